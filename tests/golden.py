@@ -1,0 +1,98 @@
+"""The shared golden-test helper: uninterrupted vs interrupted-and-resumed, bit for bit.
+
+Every training run happens in its own process; the interrupted one is signalled (SIGTERM,
+SIGKILL, ...) and relaunched from fresh objects until it completes. The two runs' final
+checkpoints are then compared tensor by tensor with ``torch.equal`` (model, optimizer moments,
+EMA, scaler, everything tracked), their JSON state value by value, and their per-step metrics
+logs record by record.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unbroken import EXIT_RESUMABLE, read_metrics
+from unbroken.store import CheckpointStore
+
+ROOT = Path(__file__).resolve().parent.parent
+# Fields that legitimately differ between an interrupted and an uninterrupted run.
+VOLATILE = {("counters", "train_seconds"), ("counters", "metrics_offset")}
+
+
+def launch(script: str | Path, args: list[str], timeout: float = 180) -> int:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(script), *args],
+        env=env,
+        timeout=timeout,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode not in (0, EXIT_RESUMABLE, -signal.SIGKILL):
+        raise AssertionError(
+            f"{script} {args} exited {proc.returncode}\n{proc.stdout[-3000:]}{proc.stderr[-5000:]}"
+        )
+    return proc.returncode
+
+
+def expected_code(sig: str) -> int:
+    return -signal.SIGKILL if sig == "KILL" else EXIT_RESUMABLE
+
+
+def run_interrupted(
+    script: str | Path,
+    args: list[str],
+    run_dir: Path,
+    interrupts: list[tuple[int, str]],
+    resume_args: list[str] | None = None,
+) -> None:
+    """Run with each interrupt in turn (a fresh process each), then to completion."""
+    for step, sig in interrupts:
+        code = launch(
+            script, [*args, "--run-dir", str(run_dir), "--signal-at", str(step), "--signal", sig]
+        )
+        assert code == expected_code(sig), f"interrupt at {step} by {sig}: exit {code}"
+    final = resume_args if resume_args is not None else args
+    assert launch(script, [*final, "--run-dir", str(run_dir)]) == 0
+
+
+def final_state(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    reader = CheckpointStore(str(run_dir)).latest()
+    assert reader is not None, f"no checkpoint in {run_dir}"
+    infos = reader.tensor_infos()
+    tensors = {k: torch.empty(i.shape, dtype=i.dtype) for k, i in infos.items()}
+    reader.load_tensors(tensors)
+    trees = {**reader.global_trees(), **(reader.local_trees(0) or {})}
+    return tensors, trees
+
+
+def _strip(trees: dict[str, Any]) -> dict[str, Any]:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in trees.items()}
+    for comp, key in VOLATILE:
+        if isinstance(out.get(comp), dict):
+            out[comp].pop(key, None)
+    return out
+
+
+def assert_identical(ref_dir: Path, other_dir: Path) -> None:
+    """Bitwise equality of every tracked tensor, all JSON state and the per-step metrics."""
+    ta, ja = final_state(ref_dir)
+    tb, jb = final_state(other_dir)
+    assert ta.keys() == tb.keys(), f"tensor sets differ: {sorted(ta.keys() ^ tb.keys())}"
+    diff = [k for k in ta if ta[k].dtype != tb[k].dtype or not torch.equal(ta[k], tb[k])]
+    assert not diff, f"tensors differ: {diff[:10]}"
+    sa, sb = _strip(ja), _strip(jb)
+    for comp in sorted(sa.keys() | sb.keys()):
+        assert sa.get(comp) == sb.get(comp), f"component {comp!r} state differs"
+    ma, mb = read_metrics(str(ref_dir)), read_metrics(str(other_dir))
+    assert [m["step"] for m in ma] == list(range(1, len(ma) + 1)), "reference log has gaps"
+    assert len(ma) == len(mb), f"{len(ma)} vs {len(mb)} logged steps"
+    for a, b in zip(ma, mb, strict=True):
+        assert a == b, f"step {a.get('step')} logged {a} vs {b}"

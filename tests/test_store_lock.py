@@ -1,0 +1,74 @@
+"""Two writers: the second fails fast naming the first; a killed holder's lock is taken over."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+
+from tests._store_helpers import REPO
+from unbroken import LockError
+from unbroken.store import WriterLock
+
+_HOLDER = """
+import sys, time
+from unbroken.store import WriterLock
+lock = WriterLock(sys.argv[1])
+lock.acquire()
+print("locked", flush=True)
+time.sleep(300)
+"""
+
+
+def test_second_writer_fails_fast_then_takes_over_from_a_killed_holder(tmp_path):
+    run = str(tmp_path)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, run], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "locked"
+        start = time.monotonic()
+        with pytest.raises(LockError) as ei:
+            WriterLock(run).acquire()
+        assert time.monotonic() - start < 1.0, "acquire waited instead of failing fast"
+        assert f"pid {holder.pid}" in str(ei.value)
+        assert run in str(ei.value)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    assert holder.returncode == -signal.SIGKILL
+
+    lock = WriterLock(run)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lock.acquire()
+    try:
+        assert lock.held
+        msgs = [str(w.message) for w in caught]
+        assert any("took over" in m and f"pid {holder.pid}" in m for m in msgs), msgs
+        assert lock.previous is not None and lock.previous["pid"] == holder.pid
+    finally:
+        lock.release()
+
+
+def test_same_process_second_lock_fails_and_release_is_clean(tmp_path):
+    run = str(tmp_path)
+    first = WriterLock(run)
+    first.acquire()
+    try:
+        with pytest.raises(LockError, match=f"pid {os.getpid()}"):
+            WriterLock(run).acquire()
+    finally:
+        first.release()
+    assert not first.held
+    again = WriterLock(run)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a cleanly released lock is no takeover
+        again.acquire()
+    again.release()

@@ -1,0 +1,83 @@
+"""unbroken: stop a PyTorch training run anywhere; relaunch; it continues bit for bit.
+
+The public names are imported lazily, so that ``import unbroken`` (and the ``unbroken``
+command, e.g. the supervisor) does not pay for importing torch until it is needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    ConfigError,
+    CorruptCheckpointError,
+    DataError,
+    LockError,
+    StateError,
+    UnbrokenError,
+    UnsafeCheckpointError,
+)
+from ._exit import EXIT_RESUMABLE
+from ._version import __version__
+
+if TYPE_CHECKING:
+    from .data import DataLoader, IterableLoader, seed_everything
+    from .state import EMA, Stateful
+    from .store import CheckpointReader, CheckpointStore
+    from .train import Run, RunConfig, read_metrics
+
+_LAZY = {
+    "CheckpointReader": ".store",
+    "CheckpointStore": ".store",
+    "DataLoader": ".data",
+    "EMA": ".state",
+    "IterableLoader": ".data",
+    "Run": ".train",
+    "RunConfig": ".train",
+    "Stateful": ".state",
+    "read_metrics": ".train",
+    "seed_everything": ".data",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'unbroken' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointReader",
+    "CheckpointStore",
+    "CheckpointWriteError",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "DataError",
+    "DataLoader",
+    "EMA",
+    "EXIT_RESUMABLE",
+    "IterableLoader",
+    "LockError",
+    "Run",
+    "RunConfig",
+    "StateError",
+    "Stateful",
+    "UnbrokenError",
+    "UnsafeCheckpointError",
+    "__version__",
+    "read_metrics",
+    "seed_everything",
+]

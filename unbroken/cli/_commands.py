@@ -1,0 +1,9 @@
+"""The list of subcommand modules, in the order ``--help`` shows them."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from . import _inspect, _supervise
+
+MODULES: list[ModuleType] = [_supervise, _inspect]

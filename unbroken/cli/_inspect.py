@@ -1,0 +1,369 @@
+"""``unbroken ls`` and ``unbroken inspect``: what a run directory holds, read safely.
+
+Neither command loads tensor data or unpickles anything: ``ls`` checks every checkpoint's
+files against its manifest (sizes and xxh3, or sizes only with ``--no-verify``); ``inspect``
+reads the manifest, the JSON state and DCP's ``.metadata`` through the restricted reader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from collections.abc import Collection, Sequence
+from typing import Any
+
+from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .._exit import EXIT_NO_CHECKPOINT, EXIT_OK, EXIT_USAGE
+from ..state import _tree
+from ..store import CheckpointReader, CheckpointStore, _layout
+from ..store._manifest import MANIFEST
+
+LS_EPILOG = """exit codes: 0 at least one valid checkpoint, 3 none (or no run directory)
+
+example: unbroken ls runs/gpt --json | jq '.[] | select(.valid) | .step'"""
+
+INSPECT_EPILOG = """CKPT_OR_RUN is a checkpoint directory (RUN/checkpoints/step-NNNNNNNNN) or a run
+directory, whose newest valid checkpoint is shown (or the one of --step N).
+
+exit codes: 0 shown, 1 corrupt or unsafe, 2 usage error,
+            3 no valid checkpoint (or no such step)
+
+example: unbroken inspect runs/gpt --step 2000 --json"""
+
+
+def register(subparsers: Any) -> None:
+    raw = argparse.RawDescriptionHelpFormatter
+    p = subparsers.add_parser(
+        "ls",
+        help="list the checkpoints of a run directory (step, size, age, valid, pinned)",
+        description="List every checkpoint directory of RUN, newest first, verified.",
+        epilog=LS_EPILOG,
+        formatter_class=raw,
+    )
+    p.add_argument("run_dir", metavar="RUN", help="the run directory")
+    p.add_argument("--json", action="store_true", help="print a JSON list, one object a row")
+    p.add_argument(
+        "--no-verify", action="store_true", help="check file sizes only, not checksums (faster)"
+    )
+    p.set_defaults(func=ls)
+
+    p = subparsers.add_parser(
+        "inspect",
+        help="show what a checkpoint holds: counters, components, tensor shapes",
+        description="Show a checkpoint's manifest, counters, components and tensor table.\n"
+        "Read from the metadata only: no tensor data is loaded, nothing is unpickled.",
+        epilog=INSPECT_EPILOG,
+        formatter_class=raw,
+    )
+    p.add_argument("path", metavar="CKPT_OR_RUN", help="a checkpoint or run directory")
+    p.add_argument(
+        "--step", type=int, metavar="N", help="in a run directory: the checkpoint of step N"
+    )
+    p.add_argument("--json", action="store_true", help="print everything as one JSON object")
+    p.add_argument(
+        "--no-verify", action="store_true", help="check file sizes only, not checksums (faster)"
+    )
+    p.set_defaults(func=inspect)
+
+
+# ---- ls ---------------------------------------------------------------------------------------
+
+
+def ls(args: argparse.Namespace) -> int:
+    store = _run_store(args.run_dir)
+    now = time.time()
+    rows = []
+    latest_seen = False
+    for item in store.listing(checksums=not args.no_verify):
+        is_latest = item.valid and not latest_seen
+        latest_seen = latest_seen or item.valid
+        rows.append(
+            {
+                "step": item.step,
+                "path": item.path,
+                "valid": item.valid,
+                "reason": item.reason,
+                "latest": is_latest,
+                "size_bytes": _disk_size(item.path),
+                "mtime": item.mtime,
+                "age_seconds": round(max(now - item.mtime, 0.0), 3),
+                "pinned": item.pinned,
+                "checked": "sizes" if args.no_verify else "checksums",
+            }
+        )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        _print_ls(store, rows)
+    if not latest_seen:
+        print(f"unbroken: no valid checkpoint in {store.root}", file=sys.stderr)
+        return EXIT_NO_CHECKPOINT
+    return EXIT_OK
+
+
+def _run_store(run_dir: str) -> CheckpointStore:
+    if not os.path.isdir(run_dir):
+        raise CheckpointNotFoundError(f"{run_dir} is not a directory")
+    return CheckpointStore(run_dir)
+
+
+def _print_ls(store: CheckpointStore, rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        print(f"no checkpoints in {store.root}")
+        return
+    table = []
+    for r in rows:
+        if r["valid"]:
+            status = "valid, latest" if r["latest"] else "valid"
+        else:
+            status = "corrupt: " + r["reason"].replace(r["path"] + os.sep, "")
+        pinned = "pinned" if r["pinned"] else ""
+        table.append(
+            [
+                str(r["step"]),
+                human_size(r["size_bytes"]),
+                human_age(r["age_seconds"]),
+                pinned,
+                status,
+            ]
+        )
+    for line in _table(["STEP", "SIZE", "AGE", "PINNED", "STATUS"], table, right={0, 1, 2}):
+        print(line)
+    stale = _stale(store.root)
+    if stale:
+        print(f"({stale} unfinished save(s) or deletion(s) left over; the next run removes them)")
+
+
+def _stale(root: str) -> int:
+    try:
+        return sum(1 for name in os.listdir(root) if _layout.transient(name))
+    except OSError:
+        return 0
+
+
+def _disk_size(path: str) -> int:
+    total = 0
+    try:
+        for e in os.scandir(path):
+            if e.is_file(follow_symlinks=False):
+                total += e.stat(follow_symlinks=False).st_size
+    except OSError:
+        pass
+    return total
+
+
+# ---- inspect ----------------------------------------------------------------------------------
+
+
+class _UsageError(Exception):
+    pass
+
+
+def inspect(args: argparse.Namespace) -> int:
+    try:
+        reader = _open(args.path, args.step, checksums=not args.no_verify)
+        info = describe(reader)
+    except _UsageError as e:
+        print(f"unbroken inspect: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:
+        raise CheckpointError(f"cannot read {args.path}: {e}") from None
+    info["checked"] = "sizes" if args.no_verify else "checksums"
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        for line in format_info(info):
+            print(line)
+    return EXIT_OK
+
+
+def _open(path: str, step: int | None, *, checksums: bool) -> CheckpointReader:
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"{path} is not a directory")
+    name = os.path.basename(os.path.normpath(path))
+    if os.path.lexists(os.path.join(path, MANIFEST)) or _layout.parse_step(name) is not None:
+        if step is not None:
+            raise _UsageError(f"--step applies to a run directory; {path} is one checkpoint")
+        reader = CheckpointReader(path)
+        reader.verify(checksums=checksums)
+        return reader
+    store = CheckpointStore(path)
+    if step is not None:
+        return store.open(step, checksums=checksums)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = store.latest(checksums=checksums)
+    for w in caught:
+        print(f"unbroken: warning: {w.message}", file=sys.stderr)
+    if found is None:
+        raise CheckpointNotFoundError(f"no valid checkpoint in {store.root}")
+    return found
+
+
+def describe(reader: CheckpointReader) -> dict[str, Any]:
+    """Everything ``inspect`` shows, as JSON-ready values (no tensor data is read)."""
+    m = reader.manifest
+    infos = reader.tensor_infos()
+    trees = reader.global_trees()
+    components: dict[str, dict[str, Any]] = {}
+    for name, comp in sorted(m["components"].items()):
+        if not isinstance(comp, dict):
+            raise CorruptCheckpointError(f"{reader.path}: manifest entry of {name!r} is malformed")
+        components[name] = {
+            "kind": comp.get("kind"),
+            "rank_local": bool(comp.get("rank_local")),
+            "tensors": [],
+            "tensor_bytes": 0,
+        }
+    for key, ti in infos.items():
+        head, _, rest = key.partition(_tree.SEP)
+        comp_name, _, rank = head.partition("@rank")
+        row: dict[str, Any] = {
+            "name": rest,
+            "shape": list(ti.shape),
+            "dtype": str(ti.dtype).removeprefix("torch."),
+            "bytes": math.prod(ti.shape) * ti.dtype.itemsize,
+        }
+        if rank:
+            row["rank"] = int(rank)
+        comp = components.setdefault(
+            comp_name, {"kind": None, "rank_local": bool(rank), "tensors": [], "tensor_bytes": 0}
+        )
+        comp["tensors"].append(row)
+        comp["tensor_bytes"] += row["bytes"]
+    counters = {
+        name: _jsonable(_decode(trees[name]))
+        for name, comp in components.items()
+        if comp["kind"] == "counters" and name in trees
+    }
+    return {
+        "path": reader.path,
+        "step": reader.step,
+        "epoch": m.get("epoch"),
+        "samples": m.get("samples"),
+        "world_size": reader.world_size,
+        "saved_at": m.get("saved_at"),
+        "saved_at_unix": m.get("saved_at_unix"),
+        "format_version": m.get("format_version"),
+        "versions": m.get("versions") or {},
+        "meta": reader.meta,
+        "size_bytes": reader.size_bytes(),
+        "files": {k: v["size"] for k, v in sorted(m["files"].items())},
+        "components": components,
+        "counters": counters,
+    }
+
+
+def _decode(tree: Any) -> Any:
+    try:
+        return _tree.join(tree, {})
+    except CorruptCheckpointError:
+        return tree  # refers to tensors: show the JSON as stored
+
+
+def _jsonable(obj: Any) -> Any:
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else repr(obj)
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    return repr(obj)
+
+
+def format_info(info: dict[str, Any]) -> list[str]:
+    """The human-readable form of :func:`describe`."""
+    saved = info["saved_at"] or "?"
+    if isinstance(info.get("saved_at_unix"), (int, float)):
+        saved += f" ({human_age(time.time() - info['saved_at_unix'])} ago)"
+    versions = ", ".join(f"{k} {v}" for k, v in sorted(info["versions"].items()))
+    checked = "checksums verified" if info.get("checked") == "checksums" else "sizes checked"
+    head = [
+        ("checkpoint", info["path"]),
+        ("step", str(info["step"])),
+        ("epoch", _show(info["epoch"])),
+        ("samples", _show(info["samples"])),
+        ("world size", str(info["world_size"])),
+        ("saved at", saved),
+        ("versions", versions or "?"),
+        ("size", f"{human_size(info['size_bytes'])} in {len(info['files'])} files ({checked})"),
+    ]
+    for name, values in info["counters"].items():
+        if isinstance(values, dict):
+            text = " ".join(f"{k}={_show(v)}" for k, v in values.items() if k != "version")
+        else:
+            text = _show(values)
+        head.append((f"counters ({name})" if name != "counters" else "counters", text))
+    width = max(len(k) for k, _ in head)
+    lines = [f"{k:<{width}}  {v}" for k, v in head]
+    comps = info["components"]
+    lines += ["", "components"]
+    rows = [
+        [
+            name,
+            str(c["kind"] or "?"),
+            "yes" if c["rank_local"] else "no",
+            str(len(c["tensors"])),
+            human_size(c["tensor_bytes"]),
+        ]
+        for name, c in comps.items()
+    ]
+    lines += _table(["NAME", "KIND", "RANK-LOCAL", "TENSORS", "SIZE"], rows, indent=2, right={3, 4})
+    for name, c in comps.items():
+        if not c["tensors"]:
+            continue
+        lines += ["", f"tensors of {name}"]
+        has_rank = any("rank" in t for t in c["tensors"])
+        rows = [
+            [t["name"], _shape(t["shape"]), t["dtype"]]
+            + ([str(t.get("rank", ""))] if has_rank else [])
+            for t in sorted(c["tensors"], key=lambda t: (t.get("rank", 0), t["name"]))
+        ]
+        headers = ["NAME", "SHAPE", "DTYPE"] + (["RANK"] if has_rank else [])
+        lines += _table(headers, rows, indent=2)
+    return lines
+
+
+# ---- formatting -------------------------------------------------------------------------------
+
+
+def _show(v: Any) -> str:
+    return "-" if v is None else json.dumps(v) if isinstance(v, (dict, list)) else str(v)
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def human_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{int(n)} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_age(seconds: float) -> str:
+    s = max(int(seconds), 0)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s // size}{unit}"
+    return f"{s}s"
+
+
+def _table(
+    headers: list[str], rows: list[list[str]], *, indent: int = 0, right: Collection[int] = ()
+) -> list[str]:
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
+    out = []
+    for r in [headers, *rows]:
+        cells = [c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(r)]
+        out.append((" " * indent + "  ".join(cells)).rstrip())
+    return out

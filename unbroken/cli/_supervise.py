@@ -1,0 +1,340 @@
+"""``unbroken run``: supervise a training command -- relaunch on exit 75, retry crashes, requeue."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from types import FrameType
+from typing import Any
+
+from .._exit import EXIT_FAILURE, EXIT_OK, EXIT_RESUMABLE, EXIT_USAGE
+
+# Stop signals: the supervisor passes each on to the child and then relaunches nothing.
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+TAG = "unbroken run:"
+
+DESCRIPTION = """Run CMD and keep it running until it finishes.
+
+  exit 0            done; unbroken run exits 0
+  exit 75           resumable (saved and stopped): relaunch at once; under SLURM,
+                    `scontrol requeue` the job instead and exit 75
+  anything else     a crash (non-zero exit or killed by a signal): relaunch after a
+                    backoff (--backoff, doubling up to --max-backoff), at most
+                    --max-retries times in a row; a crash run resets when an attempt
+                    exits 75 or ran longer than --reset-after seconds
+
+Every relaunch counts toward --max-restarts. SIGTERM, SIGINT, SIGUSR1 and SIGHUP are
+forwarded to CMD, which should save and exit 75; after a stop signal nothing is relaunched
+(under SLURM the job is still requeued). Ctrl-C is not forwarded a second time when the
+terminal already delivered it to CMD. CMD sees UNBROKEN_ATTEMPT=<n> (1-based, per
+supervisor) and UNBROKEN_SUPERVISED=1.
+
+SLURM (SLURM_JOB_ID set, --no-requeue not given): the job requeued is
+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID} for array jobs, else SLURM_JOB_ID; if
+scontrol is missing or fails, the failure is reported and CMD is relaunched in place.
+Use `exec unbroken run ...` in the batch script so `#SBATCH --signal=B:USR1@120` reaches it."""
+
+EPILOG = """exit codes:
+  0   CMD finished (exit 0)
+  1   could not start CMD, or CMD's last crash was a death by signal
+  2   usage error
+  75  resumable: stopped by a signal, SLURM job requeued, or --max-restarts reached
+  N   CMD's own exit code when it crashed and the retries ran out (or a stop came)
+
+example: unbroken run --json report.json -- python train.py --config c.yaml"""
+
+NUMERIC_OPTIONS: list[tuple[str, type[int] | type[float], float, str, str]] = [
+    ("--max-restarts", int, 100, "N", "relaunches in total, resumable or crash (default 100)"),
+    ("--max-retries", int, 3, "N", "crashes in a row that are retried (default 3)"),
+    ("--backoff", float, 1.0, "SEC", "wait before a crash retry, doubling (default 1)"),
+    ("--max-backoff", float, 60.0, "SEC", "longest wait before a crash retry (default 60)"),
+    ("--reset-after", float, 600.0, "SEC", "an attempt this long ends a crash run (default 600)"),
+]
+
+
+@dataclass
+class Attempt:
+    attempt: int
+    started: float  # Unix time, for correlating with training logs
+    duration_s: float
+    returncode: int | None  # None when killed by a signal or never started
+    signal: str | None
+    status: str  # ok | resumable | crash | not-started
+    action: str  # done | relaunch | retry | requeue | stop | give-up
+    crash: int = 0  # place in the current run of consecutive crashes
+    backoff_s: float = 0.0
+    signals: list[str] = field(default_factory=list)  # what the supervisor got, and did
+    note: str = ""
+
+    def line(self, max_retries: int) -> str:
+        how = f"killed by {self.signal}" if self.signal else f"exit {self.returncode}"
+        if self.status == "resumable":
+            how += " (resumable)"
+        elif self.status == "crash":
+            how += " (crash)"
+        elif self.status == "not-started":
+            how = "could not start"
+        act = self.action
+        if act == "retry":
+            act = f"retry {self.crash}/{max_retries} in {self.backoff_s:g}s"
+        notes = "; ".join([*self.signals, self.note] if self.note else self.signals)
+        note = f" [{notes}]" if notes else ""
+        return f"attempt {self.attempt}: {_dur(self.duration_s)}, {how} -> {act}{note}"
+
+
+def _dur(s: float) -> str:
+    if s < 60:
+        return f"{s:.1f}s"
+    m, sec = divmod(int(s), 60)
+    return f"{m // 60}:{m % 60:02d}:{sec:02d}"
+
+
+def _nonneg(kind: type[int] | type[float]) -> Any:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+        return value
+
+    return parse
+
+
+def _signame(signum: int | None) -> str:
+    try:
+        return signal.Signals(signum or 0).name
+    except ValueError:
+        return f"signal {signum}"  # real-time signals have no name in the enum
+
+
+def slurm_job_id(env: dict[str, str] | os._Environ[str]) -> str | None:
+    """The id `scontrol requeue` needs: array jobs are addressed as ARRAYJOB_TASK."""
+    array, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return env.get("SLURM_JOB_ID") or None
+
+
+class Supervisor:
+    def __init__(self, args: argparse.Namespace, cmd: list[str]) -> None:
+        self.a, self.cmd = args, cmd
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.stop: int | None = None  # the first stop signal received
+        self.forwarded = False  # whether the current child already got the stop signal
+        self.received: list[str] = []  # the current attempt's signals, for the report
+        self.attempts: list[Attempt] = []
+        self.tty: int | None = None
+
+    # -- signals ------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # No printing here: a handler that writes to stderr can re-enter its buffer.
+        if self.stop is None:
+            self.stop = signum
+        self.received.append(self._forward(signum))
+
+    def _forward(self, signum: int) -> str:
+        name, proc = _signame(signum), self.proc
+        if proc is None:
+            return f"{name}: no child running"  # remembering the stop is enough
+        self.forwarded = True
+        if self._terminal_delivered(signum, proc.pid):
+            return f"{name}: sent by the terminal, not forwarded"
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            return f"{name}: child already gone"  # wait() will tell how it ended
+        return f"{name}: forwarded"
+
+    def _terminal_delivered(self, signum: int, pid: int) -> bool:
+        # Ctrl-C reaches the terminal's whole foreground process group, child included; a
+        # second copy from us would look like "press again to abort" to many trainers.
+        if signum != signal.SIGINT or self.tty is None:
+            return False
+        try:
+            return os.tcgetpgrp(self.tty) == os.getpgid(pid)
+        except OSError:
+            return False
+
+    # -- the loop -----------------------------------------------------------------------
+    def run(self) -> tuple[int, str]:
+        a = self.a
+        job = None if a.no_requeue else slurm_job_id(os.environ)
+        restarts = crashes = 0
+        while True:
+            n = len(self.attempts) + 1
+            env = {**os.environ, "UNBROKEN_ATTEMPT": str(n), "UNBROKEN_SUPERVISED": "1"}
+            t0, wall0 = time.monotonic(), time.time()
+            self.forwarded, self.received = False, []
+            try:
+                self.proc = subprocess.Popen(self.cmd, env=env)
+            except OSError as e:
+                self.attempts.append(Attempt(n, wall0, 0.0, None, None, "not-started", "give-up"))
+                return EXIT_FAILURE, f"could not start {self.cmd[0]!r}: {e.strerror or e}"
+            if self.stop is not None and not self.forwarded:
+                # The signal landed while Popen was forking, before the handler saw the child.
+                # Its "no child running" entry is replaced by what happens now.
+                self.received[-1:] = [self._forward(self.stop)]
+            rc = self.proc.wait()
+            self.proc = None
+            dur = time.monotonic() - t0
+            sig = _signame(-rc) if rc < 0 else None
+            att = Attempt(n, wall0, round(dur, 3), None if sig else rc, sig, "crash", "")
+            att.signals = self.received  # the same list: later (between-attempt) ones land too
+            self.attempts.append(att)
+            code = rc if rc > 0 else EXIT_FAILURE  # what a crash ending here exits with
+
+            if rc == EXIT_OK:
+                att.status, att.action = "ok", "done"
+                return EXIT_OK, "finished"
+            if rc == EXIT_RESUMABLE:
+                att.status, crashes = "resumable", 0
+                if job is not None:
+                    ok, why = _requeue(job)
+                    if ok:
+                        att.action = f"requeue {job}"
+                        return EXIT_RESUMABLE, f"requeued SLURM job {job}"
+                    # Requeue once failed will fail again: stay in place for the rest.
+                    att.note = f"scontrol failed: {why}"
+                    _say(f"scontrol requeue {job} failed ({why}); relaunching in place")
+                    job = None
+                if self.stop is not None:
+                    att.action = "stop"
+                    return EXIT_RESUMABLE, f"stopped by {_signame(self.stop)}"
+                if restarts >= a.max_restarts:
+                    att.action = "give-up"
+                    return (
+                        EXIT_RESUMABLE,
+                        f"restart limit reached (--max-restarts {a.max_restarts})",
+                    )
+                att.action = "relaunch"
+            else:
+                # A long attempt means the last crash run is over: this is a fresh failure.
+                crashes = att.crash = 1 if dur > a.reset_after else crashes + 1
+                if self.stop is not None:
+                    att.action = "stop"
+                    return code, f"stopped by {_signame(self.stop)} (CMD crashed)"
+                if crashes > a.max_retries:
+                    att.action = "give-up"
+                    return (
+                        code,
+                        f"gave up after {crashes} crashes in a row (--max-retries {a.max_retries})",
+                    )
+                if restarts >= a.max_restarts:
+                    att.action = "give-up"
+                    return code, f"restart limit reached (--max-restarts {a.max_restarts})"
+                att.action = "retry"
+                att.backoff_s = min(a.backoff * 2 ** (crashes - 1), a.max_backoff)
+            if not a.quiet:
+                _say(att.line(a.max_retries))
+            if att.action == "retry" and not self._sleep(att.backoff_s):
+                att.action = "stop"
+                return code, f"stopped by {_signame(self.stop)} during backoff (CMD had crashed)"
+            restarts += 1
+
+    def _sleep(self, seconds: float) -> bool:
+        # Short naps: time.sleep resumes after a signal (PEP 475), so it cannot be woken.
+        deadline = time.monotonic() + seconds
+        while self.stop is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return True
+            time.sleep(min(left, 0.05))
+        return False
+
+
+def _requeue(job: str) -> tuple[bool, str]:
+    try:
+        r = subprocess.run(
+            ["scontrol", "requeue", job], capture_output=True, text=True, timeout=120
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, str(e)
+    if r.returncode != 0:
+        return False, f"exit {r.returncode}: {(r.stderr or r.stdout).strip()}"
+    return True, ""
+
+
+def _say(msg: str) -> None:
+    print(f"{TAG} {msg}", file=sys.stderr, flush=True)
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "run",
+        help="run a training command; relaunch on exit 75, retry crashes, requeue on SLURM",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    for flag, kind, default, metavar, text in NUMERIC_OPTIONS:
+        p.add_argument(flag, type=_nonneg(kind), default=default, metavar=metavar, help=text)
+    p.add_argument("--no-requeue", action="store_true", help="under SLURM, relaunch in place")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
+    p.add_argument(
+        "cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS", help="the command to supervise"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    cmd = list(args.cmd)
+    if cmd[:1] == ["--"]:
+        cmd = cmd[1:]  # argparse keeps the separator in a REMAINDER argument
+    if not cmd:
+        print(
+            "unbroken run: error: no command given (unbroken run [options] -- CMD ARGS...)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    sup = Supervisor(args, cmd)
+    try:
+        sup.tty = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    except OSError:
+        pass  # no controlling terminal: nothing can deliver Ctrl-C to the child but us
+    old = {s: signal.signal(s, sup._on_signal) for s in FORWARDED}
+    t0 = time.monotonic()
+    try:
+        code, outcome = sup.run()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if sup.tty is not None:
+            os.close(sup.tty)
+    elapsed = time.monotonic() - t0
+    restarts = max(len(sup.attempts) - 1, 0)
+    if not args.quiet:
+        _say(f"report for {shlex.join(cmd)}")
+        for att in sup.attempts:
+            _say("  " + att.line(args.max_retries))
+    _say(
+        f"{outcome}; exit {code} after {len(sup.attempts)} attempt(s), "
+        f"{restarts} restart(s), {_dur(elapsed)}"
+    )
+    if args.json:
+        report = {
+            "command": cmd,
+            "exit_code": code,
+            "outcome": outcome,
+            "restarts": restarts,
+            "elapsed_s": round(elapsed, 3),
+            "stop_signal": _signame(sup.stop) if sup.stop else None,
+            "slurm_job": None if args.no_requeue else slurm_job_id(os.environ),
+            "requeued": bool(sup.attempts) and sup.attempts[-1].action.startswith("requeue"),
+            "attempts": [asdict(att) for att in sup.attempts],
+        }
+        tmp = f"{args.json}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, args.json)  # a reader never sees half a report
+    return code

@@ -1,0 +1,339 @@
+"""A resumable DataLoader for map-style datasets.
+
+The position is (epoch, samples consumed) in a global stream: epoch e's order is a permutation
+fixed by (seed, e); a global batch takes the next B samples; rank r of W takes its slice. So
+resuming is O(1) (no batch is replayed), the batch size may change at any step or between runs
+without skipping or repeating a sample, and the world size may change between save and resume.
+
+Randomness inside a sample comes from (seed, epoch, index), never from worker state:
+
+* a dataset with ``get_sample(index, generator)`` is handed a ``torch.Generator`` seeded so;
+* otherwise ``dataset[index]`` runs with the fetching process's global Python, NumPy and torch
+  streams seeded so (in the main process they are put back afterwards, so the training
+  stream -- dropout, say -- is not disturbed).
+
+Either way augmentation is identical for any ``num_workers`` and any resume point.
+"""
+
+from __future__ import annotations
+
+import atexit
+import signal
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils.data as tud
+
+from .. import _dist
+from .._errors import ConfigError, DataError
+from . import _seeding
+
+LOADER_VERSION = 1
+
+
+@dataclass(slots=True)
+class _Plan:
+    """One pass of the inner torch DataLoader: which batches it fetches, in order."""
+
+    epoch: int
+    start: int
+    batch_size: int
+    pending: deque[list[int]] = field(default_factory=deque)
+
+
+class _Batches:
+    """The batch sampler handed to torch's DataLoader; each pass follows the loader's plan."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self._loader = loader
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        plan = self._loader._plan
+        assert plan is not None, "the loader sets a plan before iterating"
+        return self._batches(plan)
+
+    def _batches(self, plan: _Plan) -> Iterator[list[tuple[int, int]]]:
+        loader = self._loader
+        order = loader._order(plan.epoch)
+        pos = plan.start
+        while True:
+            global_idx = loader._global_batch(order, pos, plan.batch_size)
+            if global_idx is None:
+                return
+            pos += len(global_idx)
+            plan.pending.append(global_idx)
+            local = loader._local_slice(global_idx)
+            yield [(plan.epoch, i) for i in local]
+
+    def __len__(self) -> int:
+        return self._loader.batches_per_epoch()
+
+
+class _SeededFetch(tud.Dataset[Any]):
+    """Wraps the user's dataset: keys are (epoch, index) and each sample is seeded from them."""
+
+    def __init__(self, dataset: Any, seed: int, reseed_globals: bool) -> None:
+        self.dataset = dataset
+        self.seed = seed
+        self.reseed_globals = reseed_globals
+        self.protocol = callable(getattr(dataset, "get_sample", None))
+
+    def _one(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        s = _seeding.sample_seed(self.seed, epoch, index)
+        if self.protocol:
+            g = torch.Generator()
+            g.manual_seed(s)
+            return self.dataset.get_sample(index, g)
+        if self.reseed_globals:
+            _seeding.seed_globals(s)
+        return self.dataset[index]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
+        if self.protocol or not self.reseed_globals or tud.get_worker_info() is not None:
+            return [self._one(k) for k in keys]
+        with _seeding.preserved_globals():
+            return [self._one(k) for k in keys]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+class _WorkerInit:
+    """Workers ignore the stop signals: the main process finishes the step and saves."""
+
+    def __init__(self, user_fn: Callable[[int], None] | None) -> None:
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+_LIVE: weakref.WeakSet[DataLoader] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    # Runs before multiprocessing's own exit hook, which would SIGTERM the workers -- a signal
+    # they ignore (see _WorkerInit) -- and then wait for them forever.
+    for loader in list(_LIVE):
+        loader.close()
+
+
+class DataLoader:
+    """Resumable loader over a map-style dataset; track it like any component.
+
+    ``batch_size`` is the *global* batch size (all ranks together) and may be changed at any
+    time, e.g. by a schedule. ``rank``/``world_size`` default to torch.distributed's.
+
+    Example::
+
+        loader = unbroken.DataLoader(dataset, batch_size=32, shuffle=True, seed=0, num_workers=2)
+        run = unbroken.Run("runs/x", model=model, optimizer=opt, loader=loader)
+        for epoch in run.epochs(10):
+            for x, y in loader:
+                ...
+    """
+
+    kind = "loader"
+    rank_local = False
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        prefetch_factor: int | None = None,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        timeout: float = 0,
+        reseed_globals: bool = True,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        if not hasattr(dataset, "__len__"):
+            raise ConfigError(
+                "DataLoader needs a map-style dataset with __len__; for an iterable dataset "
+                "use unbroken.IterableLoader"
+            )
+        if num_workers < 0:
+            raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
+        self.dataset = dataset
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        self.rank = _dist.rank() if rank is None else int(rank)
+        self.world_size = _dist.world_size() if world_size is None else int(world_size)
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside world_size {self.world_size}")
+        self._plan: _Plan | None = None
+        self._batch_size = 0
+        self.batch_size = batch_size
+        self.epoch = 0
+        self.position = 0
+        self.last_indices: list[int] = []
+        """Global sample indices of the batch yielded last (every rank's slice)."""
+        self.yielded_batches = 0
+        self.yielded_samples = 0
+        """Batches and global samples yielded by this object (process-local, not saved)."""
+        self._orders: dict[int, Any] = {}
+        self._restart = False
+        self._inner = tud.DataLoader(
+            _SeededFetch(dataset, self.seed, reseed_globals),
+            batch_sampler=_Batches(self),
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            persistent_workers=persistent_workers and num_workers > 0,
+            prefetch_factor=prefetch_factor,
+            worker_init_fn=_WorkerInit(worker_init_fn),
+            multiprocessing_context=multiprocessing_context,
+            timeout=timeout,
+            # Its own generator: creating an iterator must not draw from the global stream.
+            generator=torch.Generator().manual_seed(self.seed),
+        )
+        _LIVE.add(self)
+
+    def close(self) -> None:
+        """Shut down persistent worker processes (a later iteration starts new ones)."""
+        it = getattr(self._inner, "_iterator", None)
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+        self._inner._iterator = None
+
+    # ---- configuration ------------------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        value = int(value)
+        if value < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {value}")
+        if value % self.world_size:
+            raise ConfigError(
+                f"global batch_size {value} is not divisible by world_size {self.world_size}"
+            )
+        if value != self._batch_size:
+            # Batches already prefetched were cut for the old size: refetch from the position.
+            self._restart = self._plan is not None
+            self._batch_size = value
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` at its beginning, unless it is the epoch in progress."""
+        if epoch != self.epoch:
+            self.epoch, self.position = int(epoch), 0
+            self._restart = self._plan is not None
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch()
+
+    def batches_per_epoch(self, batch_size: int | None = None) -> int:
+        n, b = len(self.dataset), batch_size or self.batch_size
+        return n // b if self.drop_last else -(-n // b)
+
+    # ---- the stream ---------------------------------------------------------------------------
+
+    def _order(self, epoch: int) -> Any:
+        order = self._orders.get(epoch)
+        if order is None:
+            order = _seeding.epoch_order(self.seed, epoch, len(self.dataset), self.shuffle)
+            self._orders = {epoch: order}  # one epoch cached: O(dataset) memory, not O(epochs)
+        return order
+
+    def _global_batch(self, order: Any, pos: int, batch_size: int) -> list[int] | None:
+        remaining = len(order) - pos
+        if remaining <= 0 or (self.drop_last and remaining < batch_size):
+            return None
+        if self.world_size > 1 and remaining < self.world_size:
+            return None  # too few left to give every rank a sample; documented
+        return order[pos : pos + batch_size].tolist()
+
+    def _local_slice(self, global_idx: list[int]) -> list[int]:
+        if self.world_size == 1:
+            return global_idx
+        n, w, r = len(global_idx), self.world_size, self.rank
+        lo = r * n // w
+        hi = (r + 1) * n // w
+        return global_idx[lo:hi]
+
+    def epoch_finished(self) -> bool:
+        remaining = len(self.dataset) - self.position
+        if remaining <= 0 or (self.drop_last and remaining < self.batch_size):
+            return True
+        return self.world_size > 1 and remaining < self.world_size
+
+    def __iter__(self) -> Iterator[Any]:
+        """Yield the rest of the current epoch (the next one if the current is finished)."""
+        if self.epoch_finished():
+            self.epoch, self.position = self.epoch + 1, 0
+        while True:
+            self._restart = False
+            plan = _Plan(self.epoch, self.position, self.batch_size)
+            self._plan = plan
+            try:
+                for batch in self._inner:
+                    global_idx = plan.pending.popleft()
+                    self.position += len(global_idx)
+                    self.last_indices = global_idx
+                    self.yielded_batches += 1
+                    self.yielded_samples += len(global_idx)
+                    yield batch
+                    if self._restart:
+                        break
+                else:
+                    return
+            finally:
+                self._plan = None
+
+    # ---- Stateful -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": LOADER_VERSION,
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "dataset_len": len(self.dataset),
+            "batch_size": self.batch_size,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Store the position; the next ``iter()`` continues from it (deferred restore)."""
+        if state_dict.get("version") != LOADER_VERSION:
+            raise DataError(f"loader state has version {state_dict.get('version')!r}")
+        for key, now in (
+            ("seed", self.seed),
+            ("shuffle", self.shuffle),
+            ("dataset_len", len(self.dataset)),
+        ):
+            if state_dict[key] != now:
+                raise DataError(
+                    f"loader: {key} was {state_dict[key]!r} when saved but is {now!r} now, so "
+                    "the saved position would point at other samples; use the same dataset "
+                    f"and {key}, or start the data stream fresh (allow_missing=['<loader>'])"
+                )
+        self.epoch = int(state_dict["epoch"])
+        self.position = int(state_dict["position"])
+        self._restart = self._plan is not None

@@ -1,0 +1,242 @@
+"""The flat registry of named components and the required-state manifest.
+
+``collect`` turns every component into JSON trees plus one flat dict of tensors; ``plan`` and
+``restore`` do the reverse against a checkpoint's trees: plan picks, for every saved tensor, the
+live tensor to load into (in place) or a fresh one, and checks that what is tracked now and
+what was saved agree, naming the first thing that does not.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._errors import ConfigError, StateError
+from . import _tree
+from ._adapters import (
+    GenericState,
+    ModuleState,
+    NumpyGeneratorState,
+    OptimizerState,
+    PythonRandomState,
+    TorchGeneratorState,
+)
+from ._protocol import Stateful
+
+_NAME_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+
+
+@dataclass(slots=True)
+class Component:
+    name: str
+    obj: Any
+    adapter: Any
+    rank_local: bool
+    optional: bool = False
+
+
+@dataclass(slots=True)
+class Payload:
+    """What one rank contributes to a checkpoint."""
+
+    global_trees: dict[str, Any] = field(default_factory=dict)
+    local_trees: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    kinds: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def local_prefix(name: str, rank: int) -> str:
+    """Rank-local tensors get the rank in their name: DCP de-duplicates equal keys across ranks."""
+    return f"{name}@rank{rank}"
+
+
+class Registry:
+    """Named components, in registration order; RNG-like components restore last."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, Component] = {}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items
+
+    def __iter__(self):
+        return iter(self._items.values())
+
+    def names(self) -> list[str]:
+        return list(self._items)
+
+    def get(self, name: str) -> Any:
+        return self._items[name].obj
+
+    def modules(self) -> dict[str, torch.nn.Module]:
+        return {c.name: c.obj for c in self if isinstance(c.obj, torch.nn.Module)}
+
+    def add(
+        self,
+        name: str,
+        obj: Any,
+        *,
+        rank_local: bool | None = None,
+        optional: bool = False,
+    ) -> None:
+        """Track ``obj`` under ``name``; ``optional`` allows it to be absent from a checkpoint."""
+        if not name or not set(name) <= _NAME_OK or name.startswith("."):
+            raise ConfigError(
+                f"component name {name!r} must be non-empty and use only letters, digits, "
+                "'_', '-' and '.'"
+            )
+        if name in self._items:
+            raise ConfigError(f"a component named {name!r} is already tracked")
+        adapter, local = self._adapt(obj)
+        self._items[name] = Component(
+            name, obj, adapter, local if rank_local is None else rank_local, optional
+        )
+
+    def replace(self, name: str, obj: Any) -> None:
+        """Swap the object behind a tracked name (used when a callback returns a new model)."""
+        old = self._items[name]
+        adapter, _ = self._adapt(obj)
+        self._items[name] = Component(name, obj, adapter, old.rank_local, old.optional)
+
+    def _adapt(self, obj: Any) -> tuple[Any, bool]:
+        if isinstance(obj, torch.nn.Module):
+            return ModuleState(obj), False
+        if isinstance(obj, torch.optim.Optimizer):
+            return OptimizerState(obj, _LiveModules(self)), False
+        if isinstance(obj, torch.Generator):
+            return TorchGeneratorState(obj), True
+        if isinstance(obj, np.random.Generator):
+            return NumpyGeneratorState(obj), True
+        if isinstance(obj, random.Random):
+            return PythonRandomState(obj), True
+        if isinstance(obj, Stateful):
+            return GenericState(obj), bool(getattr(obj, "rank_local", False))
+        raise ConfigError(
+            f"cannot track an object of type {type(obj).__qualname__}: it needs state_dict() "
+            "and load_state_dict() (or be a module, optimizer or random generator)"
+        )
+
+    # ---- saving -------------------------------------------------------------------------------
+
+    def collect(self, rank: int = 0) -> Payload:
+        """Every component's state as JSON trees and tensors (tensors are live, not copies)."""
+        out = Payload()
+        for c in self:
+            sd = c.adapter.state_dict()
+            prefix = local_prefix(c.name, rank) if c.rank_local else c.name
+            tree, tensors = _tree.split(sd, prefix)
+            (out.local_trees if c.rank_local else out.global_trees)[c.name] = tree
+            out.tensors.update(tensors)
+            out.kinds[c.name] = str(getattr(c.obj, "kind", None) or getattr(c.adapter, "kind", ""))
+        return out
+
+    # ---- loading ------------------------------------------------------------------------------
+
+    def check_names(
+        self,
+        saved: Iterable[str],
+        *,
+        allow_missing: Iterable[str] = (),
+        allow_unexpected: Iterable[str] = (),
+        where: str = "the checkpoint",
+    ) -> list[str]:
+        """Names to restore; raise StateError on a required-state mismatch."""
+        saved_set = set(saved)
+        missing_ok = set(allow_missing) | {c.name for c in self if c.optional}
+        missing = [n for n in self.names() if n not in saved_set and n not in missing_ok]
+        if missing:
+            raise StateError(
+                f"tracked component(s) {missing} are not in {where}; track the same components "
+                f"as when it was saved, or allow starting them fresh with allow_missing={missing!r}"
+            )
+        unexpected = sorted(saved_set - set(self.names()) - set(allow_unexpected))
+        if unexpected:
+            raise StateError(
+                f"{where} holds component(s) {unexpected} that are not tracked now; track them, "
+                f"or ignore them with allow_unexpected={unexpected!r}"
+            )
+        return [n for n in self.names() if n in saved_set]
+
+    def plan(
+        self,
+        names: Iterable[str],
+        trees: Mapping[str, Any],
+        saved: Mapping[str, TensorInfo],
+    ) -> dict[str, torch.Tensor]:
+        """Target tensors for every saved tensor of ``names``: live ones in place where they fit."""
+        targets: dict[str, torch.Tensor] = {}
+        for name in names:
+            c = self._items[name]
+            live_tree, live = _tree.split(c.adapter.state_dict(), "")
+            live_by_path = {k: v for k, v in live.items()}
+            wanted = _tree.tensor_names(trees[name])
+            prefix = wanted[0].split("/", 1)[0] if wanted else name
+            for key in wanted:
+                info = saved.get(key)
+                if info is None:
+                    raise StateError(f"tensor {key!r} of component {name!r} is not in the payload")
+                path = key[len(prefix) :]
+                cur = live_by_path.get(path)
+                if cur is not None and tuple(cur.shape) != info.shape:
+                    raise StateError(
+                        f"{name}: tensor {path.lstrip('/')!r} has shape {list(cur.shape)} now "
+                        f"but {list(info.shape)} in the checkpoint; build the model as it was "
+                        "when saved (or allow a remap)"
+                    )
+                if cur is not None and cur.dtype != info.dtype:
+                    raise StateError(
+                        f"{name}: tensor {path.lstrip('/')!r} has dtype {cur.dtype} now but "
+                        f"{info.dtype} in the checkpoint"
+                    )
+                if cur is not None and _loadable_in_place(cur):
+                    targets[key] = cur
+                else:
+                    targets[key] = torch.empty(info.shape, dtype=info.dtype)
+        return targets
+
+    def restore(
+        self, names: Iterable[str], trees: Mapping[str, Any], tensors: dict[str, torch.Tensor]
+    ) -> None:
+        """``load_state_dict`` on every named component; rank-local (RNG-like) ones last."""
+        ordered = sorted(names, key=lambda n: self._items[n].rank_local)
+        for name in ordered:
+            c = self._items[name]
+            state = _tree.join(trees[name], tensors)
+            try:
+                c.adapter.load_state_dict(state)
+            except StateError:
+                raise
+            except (KeyError, ValueError, RuntimeError, TypeError) as e:
+                raise StateError(f"component {name!r} could not load its state: {e}") from e
+
+
+def _loadable_in_place(t: torch.Tensor) -> bool:
+    # Loading writes through the tensor; only plain dense CPU/accelerator tensors qualify.
+    return t.layout == torch.strided and not t.requires_grad and t.is_contiguous()
+
+
+class _LiveModules(Mapping[str, torch.nn.Module]):
+    """The registry's modules as they are now (a callback may swap the model)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    def __getitem__(self, key: str) -> torch.nn.Module:
+        return self._registry.modules()[key]
+
+    def __iter__(self):
+        return iter(self._registry.modules())
+
+    def __len__(self) -> int:
+        return len(self._registry.modules())

@@ -1,0 +1,20 @@
+"""Store layer: the run directory, commit protocol, checksums, scanning, retention, lock."""
+
+from ._dcpio import SafeReader, read_metadata
+from ._layout import checkpoints_dir, scan, step_name
+from ._lock import WriterLock
+from ._reader import CheckpointReader
+from ._store import CheckpointStore, Listing, Retention
+
+__all__ = [
+    "CheckpointReader",
+    "CheckpointStore",
+    "Listing",
+    "Retention",
+    "SafeReader",
+    "WriterLock",
+    "checkpoints_dir",
+    "read_metadata",
+    "scan",
+    "step_name",
+]

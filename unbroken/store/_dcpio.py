@@ -1,0 +1,319 @@
+"""Tensor payload through torch.distributed.checkpoint, written with checksums, read safely.
+
+Writing: DCP's own FileSystemWriter, with a filesystem whose streams hash while they write (no
+re-read for checksums) and announce fault-injection events. Durability is ours (see _commit),
+so DCP's own fsync is off.
+
+Reading: DCP's stock reader unpickles ``.metadata`` with plain ``pickle.load`` and would
+``torch.load(weights_only=False)`` any byte item. :class:`SafeReader` unpickles the metadata
+with an allowlist of DCP's metadata classes, validates every path, offset and length before
+reading or allocating, refuses byte items, and reads tensors with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import stat
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path, PosixPath
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_md
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+
+from .._errors import CorruptCheckpointError, UnbrokenError, UnsafeCheckpointError
+from ..state import TensorInfo
+from . import _fsops
+
+MAX_METADATA_BYTES = 256 << 20
+
+_MD_CLASSES = {
+    "Metadata",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "MetadataIndex",
+    "StorageMeta",
+    "_MEM_FORMAT_ENCODING",
+}
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local filesystem, but every file written is hashed and every step is an event."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict[str, tuple[int, str]] = {}
+
+    def create_stream(self, path, mode):
+        if "w" not in mode:
+            return super().create_stream(path, mode)
+        return self._hashing(str(path))
+
+    def _hashing(self, path: str):
+        fs = self
+
+        class _Stream(_fsops.HashingWriter):
+            def close(self) -> None:
+                was_open = not self.closed
+                super().close()
+                if was_open:
+                    fs.records[os.path.basename(self.path)] = (self.size, self.digest())
+
+        return _Stream(path)
+
+    def rename(self, path, new_path):
+        _fsops.rename(str(path), str(new_path))
+        old, new = os.path.basename(str(path)), os.path.basename(str(new_path))
+        if old in self.records:
+            self.records[new] = self.records.pop(old)
+
+    def mkdir(self, path):
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+
+def write_tensors(
+    directory: str, tensors: Mapping[str, torch.Tensor]
+) -> dict[str, tuple[int, str]]:
+    """Write ``tensors`` with DCP into ``directory``; returns {file: (size, xxh3)} of this rank.
+
+    Collective when a process group is initialized: every rank calls it with its own tensors.
+    """
+    from .. import _dist
+
+    writer = dcp.FileSystemWriter(directory, sync_files=False, overwrite=True)
+    fs = _HashingFileSystem()
+    writer.fs = fs
+    with _dcp_call():
+        dcp.save(dict(tensors), storage_writer=writer, no_dist=not _dist.active())
+    return dict(fs.records)
+
+
+@contextmanager
+def _dcp_call() -> Iterator[None]:
+    """Run a DCP call quietly and re-raise the first underlying error of ours or of the OS.
+
+    DCP wraps every rank's failure in CheckpointException (a BaseException); callers want the
+    real ENOSPC or UnsafeCheckpointError, with its path.
+    """
+    try:
+        with warnings.catch_warnings():
+            # "assuming the intent is to save in a single process": yes, it is.
+            warnings.filterwarnings("ignore", message=".*assuming the intent.*")
+            yield
+    except CheckpointException as e:
+        errors = [exc for exc, _ in e.failures.values()]
+        for exc in errors:
+            if isinstance(exc, (UnbrokenError, OSError)):
+                raise exc from None
+        raise CorruptCheckpointError(f"torch.distributed.checkpoint failed: {e}") from None
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only the classes DCP's metadata is made of; anything else is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch.distributed.checkpoint.metadata" and name in _MD_CLASSES:
+            return getattr(dcp_md, name)
+        if module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo":
+            return _StorageInfo
+        if module == "torch" and name == "Size":
+            return torch.Size
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module == "torch.serialization" and name == "_get_layout":
+            return torch.serialization._get_layout
+        if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "Path"):
+            return PosixPath
+        raise UnsafeCheckpointError(
+            f"DCP metadata refers to {module}.{name}, which is not a DCP metadata class; "
+            "the file may have been crafted to run code and is not loaded"
+        )
+
+
+def safe_file(directory: str, name: str) -> str:
+    """The path of ``name`` inside ``directory``; refuse escapes, links and non-regular files."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise UnsafeCheckpointError(f"file name {name!r} in {directory} is not a plain file name")
+    path = os.path.join(directory, name)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path} is missing") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeCheckpointError(f"{path} is not a regular file (a link, FIFO or device?)")
+    return path
+
+
+def read_metadata(directory: str) -> dcp_md.Metadata:
+    """Unpickle and validate DCP's ``.metadata`` of ``directory`` without running code."""
+    path = safe_file(directory, ".metadata")
+    size = os.path.getsize(path)
+    if size > MAX_METADATA_BYTES:
+        raise CorruptCheckpointError(f"{path} is {size} bytes, more than any metadata should be")
+    with open(path, "rb") as f:
+        try:
+            md = _MetadataUnpickler(f).load()
+        except UnsafeCheckpointError as e:
+            raise UnsafeCheckpointError(f"{path}: {e}") from None
+        except Exception as e:
+            raise CorruptCheckpointError(f"{path} cannot be parsed: {e}") from None
+    _validate_metadata(md, directory)
+    return md
+
+
+def _validate_metadata(md: Any, directory: str) -> None:
+    where = os.path.join(directory, ".metadata")
+    if not isinstance(md, dcp_md.Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise CorruptCheckpointError(f"{where} does not hold DCP metadata")
+    sizes: dict[str, int] = {}
+    for fqn, tmd in md.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            raise CorruptCheckpointError(f"{where}: a key is not a string")
+        if isinstance(tmd, dcp_md.TensorStorageMetadata):
+            shape = tuple(tmd.size)
+            if any(not isinstance(s, int) or s < 0 for s in shape):
+                raise CorruptCheckpointError(f"{where}: tensor {fqn!r} has shape {list(shape)}")
+            if not isinstance(tmd.properties.dtype, torch.dtype):
+                raise CorruptCheckpointError(f"{where}: tensor {fqn!r} has no valid dtype")
+    storage = md.storage_data
+    if not isinstance(storage, dict):
+        raise CorruptCheckpointError(f"{where}: storage_data is missing")
+    for idx, info in storage.items():
+        if not isinstance(idx, dcp_md.MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise CorruptCheckpointError(f"{where}: malformed storage entry")
+        if not isinstance(info.offset, int) or not isinstance(info.length, int):
+            raise CorruptCheckpointError(f"{where}: non-integer offset for {idx.fqn!r}")
+        if info.offset < 0 or info.length < 0:
+            raise CorruptCheckpointError(f"{where}: negative offset for {idx.fqn!r}")
+        if info.transform_descriptors:
+            raise UnsafeCheckpointError(
+                f"{where}: tensor {idx.fqn!r} uses stream transforms "
+                f"{list(info.transform_descriptors)}, which unbroken does not read"
+            )
+        name = info.relative_path
+        if not isinstance(name, str):
+            raise CorruptCheckpointError(f"{where}: non-string file name for {idx.fqn!r}")
+        if name not in sizes:
+            sizes[name] = os.lstat(safe_file(directory, name)).st_size
+        if info.offset + info.length > sizes[name]:
+            raise CorruptCheckpointError(
+                f"{where}: tensor {idx.fqn!r} lies at bytes {info.offset}..."
+                f"{info.offset + info.length} but {name} has only {sizes[name]} bytes"
+            )
+    total = sum(sizes.values())
+    for fqn, tmd in md.state_dict_metadata.items():
+        if isinstance(tmd, dcp_md.TensorStorageMetadata):
+            nbytes = _numel(tuple(tmd.size)) * _itemsize(tmd.properties.dtype)
+            if nbytes > total:
+                raise CorruptCheckpointError(
+                    f"{where}: tensor {fqn!r} claims {nbytes} bytes but the data files hold "
+                    f"{total}; refusing to allocate it"
+                )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def tensor_infos(md: dcp_md.Metadata) -> dict[str, TensorInfo]:
+    return {
+        k: TensorInfo(tuple(v.size), v.properties.dtype)
+        for k, v in md.state_dict_metadata.items()
+        if isinstance(v, dcp_md.TensorStorageMetadata)
+    }
+
+
+class SafeReader(dcp.FileSystemReader):
+    """A DCP reader that never runs code from the checkpoint (see the module docstring)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_md.Metadata:
+        md = read_metadata(str(self.path))
+        md.storage_meta = dcp_md.StorageMeta(load_id=self.load_id)
+        return md
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        directory = str(self.path)
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                raise UnsafeCheckpointError(
+                    f"{directory}: item {item.storage_index.fqn!r} is a pickled object; "
+                    "unbroken loads only tensors through DCP"
+                )
+            info: _StorageInfo = self.storage_data[item.storage_index]
+            per_file.setdefault(info.relative_path, []).append(item)
+        for name, items in per_file.items():
+            path = safe_file(directory, name)
+            items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
+            with open(path, "rb") as f:
+                for item in items:
+                    info = self.storage_data[item.storage_index]
+                    f.seek(info.offset)
+                    raw = f.read(info.length)
+                    if len(raw) != info.length:
+                        raise CorruptCheckpointError(f"{path} is truncated")
+                    tensor = _load_tensor(raw, path, item.storage_index.fqn)
+                    tensor = _narrow(tensor, item.storage_offsets, item.lengths)
+                    target = planner.resolve_tensor(item).detach()
+                    if target.size() != tensor.size():
+                        raise CorruptCheckpointError(
+                            f"{path}: tensor {item.storage_index.fqn!r} has shape "
+                            f"{list(tensor.size())}, expected {list(target.size())}"
+                        )
+                    target.copy_(tensor)
+                    planner.commit_tensor(item, target)
+        fut: torch.futures.Future[None] = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+
+def _narrow(t: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
+    for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
+        if start != 0 or length != t.size(dim):
+            t = t.narrow(dim, start, length)
+    return t
+
+
+def _load_tensor(raw: bytes, path: str, fqn: str) -> torch.Tensor:
+    try:
+        t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(
+            f"{path}: tensor {fqn!r} holds a pickle that is not a plain tensor ({e}); "
+            "refusing to load it"
+        ) from None
+    except Exception as e:
+        raise CorruptCheckpointError(f"{path}: tensor {fqn!r} cannot be read: {e}") from None
+    if not isinstance(t, torch.Tensor):
+        raise UnsafeCheckpointError(f"{path}: item {fqn!r} is not a tensor")
+    return t
+
+
+def load_tensors(directory: str, targets: dict[str, torch.Tensor]) -> None:
+    """Fill ``targets`` (name -> preallocated tensor) from the DCP payload in ``directory``."""
+    from .. import _dist
+
+    if not targets:
+        return
+    with _dcp_call():
+        dcp.load(targets, storage_reader=SafeReader(directory), no_dist=not _dist.active())

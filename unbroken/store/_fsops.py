@@ -1,0 +1,162 @@
+"""Every filesystem operation of a save, each announced as a named event first.
+
+The events make fault injection exact: a test can kill the process (or raise ENOSPC, EIO, ...)
+at the k-th event of a real save and assert that every event point was reached. Without a hook
+an event costs one ``is None`` check.
+
+Environment (read once, for tests that run a save in a subprocess):
+``UNBROKEN_FAULT_LOG=FILE`` appends one line per event; ``UNBROKEN_FAULT=kill:K`` SIGKILLs the
+process at event K (1-based); ``UNBROKEN_FAULT=errno:NAME:EVENT[:N]`` raises OSError(NAME) at
+the N-th event called EVENT.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+import shutil
+import signal
+from collections.abc import Callable
+
+import xxhash
+
+Hook = Callable[[str, str], None]
+_hook: Hook | None = None
+
+
+def set_hook(hook: Hook | None) -> Hook | None:
+    """Install ``hook(event, path)``; returns the previous one."""
+    global _hook
+    old, _hook = _hook, hook
+    return old
+
+
+def event(name: str, path: str) -> None:
+    if _hook is not None:
+        _hook(name, path)
+
+
+def _env_hook() -> Hook | None:
+    log, plan = os.environ.get("UNBROKEN_FAULT_LOG"), os.environ.get("UNBROKEN_FAULT")
+    if not log and not plan:
+        return None
+    counts: dict[str, int] = {}
+    total = [0]
+
+    def hook(name: str, path: str) -> None:
+        total[0] += 1
+        counts[name] = counts.get(name, 0) + 1
+        if log:
+            with open(log, "a") as f:
+                f.write(f"{total[0]}\t{name}\t{os.path.basename(path)}\n")
+        if not plan:
+            return
+        kind, _, rest = plan.partition(":")
+        if kind == "kill" and int(rest) == total[0]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "errno":
+            code, _, where = rest.partition(":")
+            ev, _, nth = where.partition(":")
+            if ev == name and counts[name] == int(nth or 1):
+                num = getattr(_errno, code)
+                raise OSError(num, os.strerror(num), path)
+
+    return hook
+
+
+_hook = _env_hook()
+
+
+class HashingWriter:
+    """A binary file opened for writing that hashes (xxh3-64) and counts what passes through."""
+
+    def __init__(self, path: str) -> None:
+        event("create", path)
+        self.path = path
+        self._f = open(path, "xb")
+        self._h = xxhash.xxh3_64()
+        self.size = 0
+        self._started = False
+
+    def write(self, data) -> int:
+        if not self._started:
+            # One event per file, not per write: torch.save writes in many small pieces.
+            self._started = True
+            event("write", self.path)
+        n = self._f.write(data)
+        self._h.update(data)
+        self.size += len(memoryview(data).cast("B"))
+        return n
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    @property
+    def closed(self) -> bool:
+        return self._f.closed
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+            event("close", self.path)
+
+    def digest(self) -> str:
+        return self._h.hexdigest()
+
+    def __enter__(self) -> HashingWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None:
+            self._f.close()
+        else:
+            self.close()
+
+
+def write_file(path: str, data: bytes) -> tuple[int, str]:
+    """Create ``path`` with ``data``; returns (size, xxh3-64 hex)."""
+    with HashingWriter(path) as w:
+        w.write(data)
+    return w.size, w.digest()
+
+
+def fsync_file(path: str) -> None:
+    event("fsync", path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    event("fsync_dir", path)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def mkdir(path: str) -> None:
+    event("mkdir", path)
+    os.mkdir(path)
+
+
+def rename(src: str, dst: str) -> None:
+    event("rename", dst)
+    os.rename(src, dst)
+
+
+def rmtree(path: str) -> None:
+    event("rmtree", path)
+    shutil.rmtree(path)

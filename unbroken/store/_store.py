@@ -1,0 +1,332 @@
+"""The checkpoint store of one run directory: commit, scan, fall back, retain, clean up.
+
+Commit protocol (every rank writes, rank 0 commits)::
+
+    rank 0: mkdir checkpoints/.tmp-step-N                   (a stale one is removed first)
+    all:    DCP tensor files + rank-RRRRR.json, each hashed while written, then fsynced
+    rank 0: state.json, manifest.json (written last, fsynced), fsync .tmp dir
+            rename .tmp-step-N -> step-N, fsync checkpoints/
+    rank 0: retention (rename to .del-step-M, then delete)  -- only after the commit
+
+A failure on any rank is agreed on by all ranks before the commit, so no rank commits alone.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import time
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import _dist
+from .._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    ConfigError,
+)
+from .._version import __version__
+from ..state import Payload
+from . import _dcpio, _fsops, _layout, _manifest
+from ._reader import CheckpointReader
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """Which committed checkpoints to keep; the newest one is always kept."""
+
+    keep_last: int | None = 3
+    """Keep the newest N (None keeps all)."""
+    keep_every: int | None = None
+    """Also keep every checkpoint whose step is a multiple of this."""
+
+    def __post_init__(self) -> None:
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ConfigError(f"keep_last must be >= 1 or None, got {self.keep_last}")
+        if self.keep_every is not None and self.keep_every < 1:
+            raise ConfigError(f"keep_every must be >= 1 or None, got {self.keep_every}")
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    step: int
+    path: str
+    valid: bool
+    reason: str
+    size: int
+    mtime: float
+    pinned: bool
+
+
+class CheckpointStore:
+    """Checkpoints of one run directory. Every rank constructs one; rank 0 owns the directory."""
+
+    def __init__(self, run_dir: str, retention: Retention | None = None) -> None:
+        self.run_dir = os.path.abspath(run_dir)
+        self.root = _layout.checkpoints_dir(self.run_dir)
+        self.retention = retention or Retention()
+
+    # ---- start-up -----------------------------------------------------------------------------
+
+    def clean_stale(self) -> list[str]:
+        """Remove what a killed save or deletion left behind (call while holding the lock)."""
+        removed: list[str] = []
+        try:
+            entries = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return removed
+        for e in entries:
+            t = _layout.transient(e.name)
+            if t is None or not e.is_dir(follow_symlinks=False):
+                continue
+            kind, step = t
+            final = os.path.join(self.root, _layout.step_name(step))
+            if kind == "old" and not os.path.exists(final):
+                # Killed between moving the old copy of a step aside and renaming the new one in.
+                os.rename(e.path, final)
+                continue
+            shutil.rmtree(e.path, ignore_errors=True)
+            removed.append(e.path)
+        return removed
+
+    # ---- finding ------------------------------------------------------------------------------
+
+    def listing(self, *, checksums: bool = True) -> list[Listing]:
+        out = []
+        for step, path in _layout.scan(self.run_dir):
+            valid, reason, size = True, "", 0
+            try:
+                r = CheckpointReader(path)
+                r.verify(checksums=checksums)
+                size = r.size_bytes()
+            except CheckpointError as e:
+                valid, reason = False, str(e)
+            try:
+                mtime = os.stat(path).st_mtime
+            except OSError:
+                mtime = 0.0
+            pinned = os.path.exists(os.path.join(path, _layout.PINNED))
+            out.append(Listing(step, path, valid, reason, size, mtime, pinned))
+        return out
+
+    def latest(self, *, checksums: bool = True) -> CheckpointReader | None:
+        """The newest checkpoint that verifies; each unusable newer one is reported by name."""
+        for _, path in _layout.scan(self.run_dir):
+            try:
+                r = CheckpointReader(path)
+                r.verify(checksums=checksums)
+                return r
+            except CheckpointError as e:
+                warnings.warn(
+                    f"skipping unusable checkpoint {path}: {e}; trying an earlier one",
+                    stacklevel=2,
+                )
+        return None
+
+    def open(self, step: int, *, checksums: bool = True) -> CheckpointReader:
+        path = os.path.join(self.root, _layout.step_name(step))
+        if not os.path.isdir(path):
+            have = [s for s, _ in _layout.scan(self.run_dir)]
+            raise CheckpointNotFoundError(
+                f"no checkpoint for step {step} in {self.root} (found steps {sorted(have)})"
+            )
+        r = CheckpointReader(path)
+        r.verify(checksums=checksums)
+        return r
+
+    # ---- saving -------------------------------------------------------------------------------
+
+    def save(self, step: int, payload: Payload, meta: dict[str, Any]) -> str:
+        """Write and commit a checkpoint of ``step`` (collective); returns its path."""
+        rank, world = _dist.rank(), _dist.world_size()
+        tmp = os.path.join(self.root, _layout.tmp_name(step))
+        final = os.path.join(self.root, _layout.step_name(step))
+        err: BaseException | None = None
+        if rank == 0:
+            err = _attempt(lambda: self._prepare(tmp))
+        self._agree(err, tmp, step)
+        records: dict[str, tuple[int, str]] = {}
+
+        def write_rank_files() -> None:
+            records.update(_dcpio.write_tensors(tmp, payload.tensors))
+            name = _manifest.rank_file(rank)
+            doc = {"components": payload.local_trees}
+            records[name] = _fsops.write_file(os.path.join(tmp, name), _manifest.dumps(doc))
+            for fname in sorted(records):
+                _fsops.fsync_file(os.path.join(tmp, fname))
+
+        err = _attempt(write_rank_files)
+        self._agree(err, tmp, step)
+        gathered = _dist.all_gather_object(records)
+        if rank == 0:
+            files = {k: v for part in gathered for k, v in part.items()}
+            err = _attempt(lambda: self._commit(tmp, final, step, payload, files, meta, world))
+        self._agree(err, tmp, step)
+        return final
+
+    def _prepare(self, tmp: str) -> None:
+        os.makedirs(self.root, exist_ok=True)
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp)
+        _fsops.mkdir(tmp)
+
+    def _commit(
+        self,
+        tmp: str,
+        final: str,
+        step: int,
+        payload: Payload,
+        files: dict[str, tuple[int, str]],
+        meta: dict[str, Any],
+        world: int,
+    ) -> None:
+        state_doc = {"components": payload.global_trees}
+        files[_manifest.STATE_FILE] = _fsops.write_file(
+            os.path.join(tmp, _manifest.STATE_FILE), _manifest.dumps(state_doc)
+        )
+        _fsops.fsync_file(os.path.join(tmp, _manifest.STATE_FILE))
+        now = time.time()
+        manifest = {
+            "format": _manifest.FORMAT,
+            "format_version": _manifest.FORMAT_VERSION,
+            "step": step,
+            "epoch": meta.get("epoch"),
+            "samples": meta.get("samples"),
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+            "saved_at_unix": now,
+            "world_size": world,
+            "components": {
+                name: {"kind": payload.kinds.get(name, "stateful"), "rank_local": local}
+                for names, local in ((payload.global_trees, False), (payload.local_trees, True))
+                for name in names
+            },
+            "versions": {
+                "unbroken": __version__,
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+            },
+            "files": {k: {"size": s, "xxh3_64": h} for k, (s, h) in sorted(files.items())},
+            "meta": meta,
+        }
+        manifest[_manifest.SELF_CHECKSUM] = _manifest.self_checksum(manifest)
+        path = os.path.join(tmp, _manifest.MANIFEST)
+        _fsops.write_file(path, _manifest.dumps(manifest))
+        _fsops.fsync_file(path)
+        _fsops.fsync_dir(tmp)
+        old = None
+        if os.path.lexists(final):
+            # Re-saving a step (e.g. load, then save at once): keep the old copy until the
+            # new one is in place; clean_stale() finishes the swap if we die in between.
+            old = os.path.join(self.root, _layout.old_name(step))
+            _fsops.rename(final, old)
+        try:
+            _fsops.rename(tmp, final)
+            _fsops.fsync_dir(self.root)
+        except BaseException:
+            # Not committed (a failed fsync is not retried into a success): take the new copy
+            # back to the temp name (the caller removes it) and put the replaced one back.
+            if os.path.lexists(final) and not os.path.lexists(tmp):
+                os.rename(final, tmp)
+            if old is not None:
+                os.rename(old, final)
+            raise
+        if old is not None:
+            try:
+                _fsops.rmtree(old)
+            except OSError:
+                pass  # committed already; clean_stale() removes the leftover copy
+
+    def _agree(self, err: BaseException | None, tmp: str, step: int) -> None:
+        failed = _dist.any_true(err is not None)
+        if not failed:
+            return
+        if _dist.rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if err is None:
+            raise CheckpointWriteError(
+                f"saving step {step} failed on another rank; nothing was committed"
+            )
+        if isinstance(err, CheckpointError):
+            raise err
+        where = getattr(err, "filename", None) or tmp
+        raise CheckpointWriteError(
+            f"could not save step {step}: writing {where} failed: {err}; nothing was "
+            f"committed, earlier checkpoints in {self.root} are intact"
+        ) from err
+
+    # ---- retention ----------------------------------------------------------------------------
+
+    def apply_retention(self, newest: int, protect: Iterable[int] = ()) -> list[int]:
+        """Delete committed checkpoints older than ``newest`` that the policy does not keep."""
+        r = self.retention
+        committed = [(s, p) for s, p in _layout.scan(self.run_dir) if s < newest and _is_ours(p)]
+        keep = set(protect) | {newest}
+        if r.keep_last is not None:
+            keep |= {s for s, _ in committed[: max(r.keep_last - 1, 0)]}
+        else:
+            keep |= {s for s, _ in committed}
+        if r.keep_every:
+            keep |= {s for s, _ in committed if s % r.keep_every == 0}
+        keep |= {s for s, p in committed if os.path.exists(os.path.join(p, _layout.PINNED))}
+        deleted = []
+        for s, p in committed:
+            if s in keep:
+                continue
+            doomed = os.path.join(self.root, _layout.del_name(s))
+            try:
+                _fsops.rename(p, doomed)
+                _fsops.rmtree(doomed)
+            except OSError as e:
+                warnings.warn(f"retention could not delete {p}: {e}", stacklevel=2)
+                continue
+            deleted.append(s)
+        return deleted
+
+    def supersede_newer(self, step: int) -> list[str]:
+        """Move checkpoints newer than ``step`` aside (resuming an older step forks history)."""
+        moved = []
+        for s, p in _layout.scan(self.run_dir):
+            if s > step:
+                name = f"superseded-{_layout.step_name(s)}-{int(time.time())}"
+                target = os.path.join(self.root, name)
+                os.rename(p, target)
+                moved.append(target)
+        if moved:
+            warnings.warn(
+                f"resumed from step {step}, so newer checkpoints were moved aside (not deleted): "
+                f"{moved}",
+                stacklevel=2,
+            )
+        return moved
+
+    def pin(self, step: int, pinned: bool = True) -> None:
+        path = os.path.join(self.root, _layout.step_name(step), _layout.PINNED)
+        if not os.path.isdir(os.path.dirname(path)):
+            raise CheckpointNotFoundError(f"no checkpoint for step {step} in {self.root}")
+        if pinned:
+            open(path, "a").close()
+        elif os.path.exists(path):
+            os.remove(path)
+
+
+def _is_ours(path: str) -> bool:
+    try:
+        _manifest.read_manifest(path)
+        return True
+    except CheckpointError:
+        return False
+
+
+def _attempt(fn: Any) -> BaseException | None:
+    """Run one phase of a save; its error is agreed on by all ranks before anyone raises."""
+    try:
+        fn()
+    except Exception as e:
+        return e
+    return None

@@ -1,0 +1,113 @@
+"""Run options, checked up front so a typo fails before any training."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import ConfigError
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    """Options of :class:`unbroken.Run` (pass them as keyword arguments to ``Run``)."""
+
+    save_every: int | None = None
+    """Save every N optimizer steps."""
+    save_every_minutes: float | None = None
+    """Save when this many minutes passed since the last save."""
+    save_on_epoch_end: bool = False
+    """Save whenever an epoch completes."""
+    save_final: bool = True
+    """Save when training completes (``finish()``, or the end of ``epochs()``/``loop()``)."""
+    time_limit: float | str | None = None
+    """Wall-time budget of this process, in seconds or ``[D-]HH:MM:SS``; the run saves and exits
+    resumable before it ends. SLURM's job end time (``SLURM_JOB_END_TIME``) is honoured too."""
+    time_margin: float = 10.0
+    """Seconds of slack kept before the budget ends, on top of a step and a save."""
+    keep_last: int | None = 3
+    """Keep the newest N checkpoints (None keeps all)."""
+    keep_every: int | None = None
+    """Also keep checkpoints whose step is a multiple of this."""
+    max_steps: int | None = None
+    """Training is complete after this many optimizer steps."""
+    resume: bool | int = True
+    """True: continue from the latest valid checkpoint if there is one; an int: from that step;
+    False: start fresh and refuse to run in a directory that has checkpoints."""
+    allow_missing: tuple[str, ...] = ()
+    """Components that may be absent from the checkpoint (they start fresh)."""
+    allow_unexpected: tuple[str, ...] = ()
+    """Components the checkpoint may hold that are not tracked now (ignored)."""
+    seed: int | None = None
+    """On a fresh start, seed Python, NumPy and torch (on resume, the streams are restored)."""
+    handle_signals: bool = True
+    """SIGTERM, SIGUSR1, SIGINT: finish the step, save, exit with code 75."""
+    exit_on_stop: bool = True
+    """After a signal or time-budget save, raise SystemExit(75); else ``step()`` returns True."""
+    metrics: bool = True
+    """Write ``RUN/metrics.jsonl``."""
+    progress: bool | None = None
+    """Show a tqdm bar (default: when stderr is a terminal)."""
+    verify_checksums: bool = True
+    """Check every file's xxh3 before resuming (size checks always happen)."""
+    track_rng: bool = True
+    """Capture and restore the global Python, NumPy, torch and CUDA random streams."""
+
+    def __post_init__(self) -> None:
+        for name in ("save_every", "keep_last", "keep_every", "max_steps"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
+        if self.save_every_minutes is not None and self.save_every_minutes <= 0:
+            raise ConfigError(f"save_every_minutes must be > 0, got {self.save_every_minutes!r}")
+        if not isinstance(self.resume, (bool, int)) or (
+            not isinstance(self.resume, bool) and self.resume < 0
+        ):
+            raise ConfigError(f"resume must be True, False or a step number, got {self.resume!r}")
+        self.allow_missing = tuple(self.allow_missing)
+        self.allow_unexpected = tuple(self.allow_unexpected)
+        self.time_limit_seconds()
+
+    def time_limit_seconds(self) -> float | None:
+        return parse_duration(self.time_limit, "time_limit")
+
+    @classmethod
+    def fields(cls) -> frozenset[str]:
+        return frozenset(cls.__dataclass_fields__)
+
+
+_HMS = re.compile(r"^(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)$")
+
+
+def parse_duration(value: Any, name: str) -> float | None:
+    """Seconds from a number or ``[D-][HH:]MM:SS`` (SLURM's notation)."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise ConfigError(f"{name} must be > 0, got {value!r}")
+        return float(value)
+    m = _HMS.match(str(value).strip())
+    if not m:
+        raise ConfigError(f"{name} must be seconds or [D-]HH:MM:SS, got {value!r}")
+    d, h, mi, s = (int(x) if x else 0 for x in m.groups())
+    return float(((d * 24 + h) * 60 + mi) * 60 + s)
+
+
+def deadline(start: float, config: RunConfig) -> float | None:
+    """The wall-clock time (``time.time()``) by which the process must have saved and exited."""
+    limits = []
+    budget = config.time_limit_seconds()
+    if budget is not None:
+        limits.append(start + budget)
+    slurm_end = os.environ.get("SLURM_JOB_END_TIME")
+    if slurm_end and slurm_end.isdigit():
+        limits.append(float(slurm_end))
+    return min(limits) if limits else None
+
+
+def wall() -> float:
+    return time.time()

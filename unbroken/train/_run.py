@@ -1,0 +1,365 @@
+"""The run: a few lines added to a plain PyTorch loop make it resume exactly.
+
+Order of events (the contract; docs/resume.md repeats it)::
+
+    Run(...)                    lock the run dir, clean a killed save's leftovers,
+                                load the latest valid checkpoint into every component
+                                (loaders first store their position; RNG streams last)
+    for epoch in run.epochs(E): (or: for batch in run.loop(loader))
+        for batch in loader:
+            ... forward, backward, optimizer.step(), scheduler.step(), ema.update()
+            run.step(loss=loss) count the step, log it, then save if a trigger fired;
+                                on a signal or the time budget: save, exit 75
+        <epoch end>             count the epoch; save if save_on_epoch_end
+    <end of epochs()/loop()>    finish(): final save, release the lock
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from .. import _dist
+from .._errors import ConfigError
+from .._exit import EXIT_RESUMABLE
+from ..data import DataLoader, IterableLoader
+from ..data._seeding import derive, seed_globals
+from ..state import Counters, GlobalRNG, Registry
+from ..store import CheckpointReader, CheckpointStore, Retention, WriterLock
+from ._config import RunConfig, deadline
+from ._metrics import MetricsLog
+from ._progress import Progress
+from ._signals import StopRequest
+
+_RESERVED = ("counters", "rng")
+
+
+class Run:
+    """Track the components of a training run; resume them exactly; save them safely.
+
+    Components are keyword arguments: modules, optimizers, LR schedulers, GradScalers,
+    :class:`unbroken.EMA`, :class:`unbroken.DataLoader`, random generators and any object with
+    ``state_dict``/``load_state_dict``. Options are the fields of :class:`RunConfig`::
+
+        run = unbroken.Run("runs/x", model=model, optimizer=opt, scheduler=sched,
+                           loader=loader, save_every=100)
+        for epoch in run.epochs(10):
+            for x, y in loader:
+                ...
+                run.step(loss=loss)
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str], /, **kwargs: Any) -> None:
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k in RunConfig.fields()}
+        self.config = RunConfig(**options)
+        self.dir = os.path.abspath(os.fspath(run_dir))
+        self.rank, self.world_size = _dist.rank(), _dist.world_size()
+        self.counters = Counters()
+        self.registry = Registry()
+        for name, obj in kwargs.items():
+            if name in _RESERVED:
+                raise ConfigError(f"component name {name!r} is reserved by unbroken; rename it")
+            self.registry.add(name, obj)
+        self.registry.add("counters", self.counters)
+        if self.config.track_rng:
+            self.registry.add("rng", GlobalRNG())
+        self.store = CheckpointStore(
+            self.dir, Retention(self.config.keep_last, self.config.keep_every)
+        )
+        self._lock = WriterLock(self.dir)
+        self._stop = StopRequest()
+        self._metrics: MetricsLog | None = None
+        self._progress: Progress | None = None
+        self._closed = False
+        self.resumed_from: int | None = None
+        self.stopped = False
+        self.last_saved_step: int | None = None
+        self.last_save_seconds: float | None = None
+        self._open()
+
+    # ---- start-up -----------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        if self.rank == 0:
+            os.makedirs(self.dir, exist_ok=True)
+            self._lock.acquire()
+            self.store.clean_stale()
+        _dist.barrier()
+        try:
+            reader = self._choose_checkpoint()
+            if reader is not None:
+                self._restore(reader)
+            elif self.config.seed is not None:
+                seed_globals(derive(self.config.seed, self.rank))
+        except BaseException:
+            self.close()
+            raise
+        self.last_saved_step = self.resumed_from
+        self._marks = self._loader_marks()
+        self._epoch_save_pending = False
+        self._start_wall = time.time()
+        self._last_tick = time.perf_counter()
+        self._last_save_wall = self._start_wall
+        self._step_seconds: float | None = None
+        self._deadline = deadline(self._start_wall, self.config)
+        if self.rank == 0 and self.config.metrics:
+            self._metrics = MetricsLog(self.dir, self.counters.metrics_offset)
+            if self.resumed_from is not None:
+                self._metrics.event("resume", step=self.counters.step)
+        if self.config.handle_signals:
+            self._stop.install()
+        show = self.config.progress
+        if show is None:
+            show = sys.stderr.isatty()
+        if show and self.rank == 0:
+            self._progress = Progress(self.config.max_steps, self.counters.step)
+
+    def _choose_checkpoint(self) -> CheckpointReader | None:
+        want = self.config.resume
+        step: int | None = None
+        if self.rank == 0:
+            if want is False:
+                if self.store.listing(checksums=False):
+                    raise ConfigError(
+                        f"resume=False but {self.store.root} already holds checkpoints; "
+                        "use another run directory or resume=True"
+                    )
+            elif want is True:
+                latest = self.store.latest(checksums=self.config.verify_checksums)
+                step = latest.step if latest is not None else None
+            else:
+                step = self.store.open(int(want), checksums=self.config.verify_checksums).step
+                self.store.supersede_newer(step)
+        step = _dist.broadcast_object(step)
+        if step is None:
+            return None
+        return self.store.open(step, checksums=False)
+
+    def _restore(self, reader: CheckpointReader) -> None:
+        trees = reader.global_trees()
+        local = reader.local_trees(self.rank)
+        allow_missing = set(self.config.allow_missing)
+        if local is None:
+            # A rank that did not exist when this was saved (resume on more ranks): its
+            # rank-local streams start from a seed derived from (step, rank); documented.
+            allow_missing |= {c.name for c in self.registry if c.rank_local}
+            seed_globals(derive(reader.step, self.rank, domain=b"new-rank"))
+            warnings.warn(
+                f"rank {self.rank} did not exist when step {reader.step} was saved (world size "
+                f"{reader.world_size}); its random streams are seeded from (step, rank)",
+                stacklevel=3,
+            )
+        else:
+            trees = {**trees, **local}
+        names = self.registry.check_names(
+            trees,
+            allow_missing=allow_missing,
+            allow_unexpected=self.config.allow_unexpected,
+            where=f"checkpoint {reader.path}",
+        )
+        targets = self.registry.plan(names, trees, reader.tensor_infos())
+        reader.load_tensors(targets)
+        self.registry.restore(names, trees, targets)
+        self.resumed_from = reader.step
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        """Training is complete (``max_steps`` reached or ``finish()`` called)."""
+        c, m = self.counters, self.config.max_steps
+        return c.complete or (m is not None and c.step >= m)
+
+    def step(self, loss: Any = None, **scalars: Any) -> bool:
+        """Mark the end of one optimizer step; log, save, stop as configured.
+
+        Returns True when the loop should end (complete, or stopped with ``exit_on_stop=False``).
+        """
+        c = self.counters
+        now = time.perf_counter()
+        dt = now - self._last_tick
+        self._last_tick = now
+        c.step += 1
+        c.train_seconds += dt
+        self._step_seconds = dt if self._step_seconds is None else max(0.8 * self._step_seconds, dt)
+        marks = self._loader_marks()
+        c.samples += marks[1] - self._marks[1]
+        self._marks = marks
+        if self._metrics is not None:
+            record: dict[str, Any] = {"step": c.step, "epoch": c.epoch}
+            if loss is not None:
+                record["loss"] = loss
+            record.update(scalars)
+            self._metrics.step(record)
+        if self._progress is not None:
+            self._progress.update(c.step, loss, self._next_save_text())
+        stop_reason = self._stop_reason()
+        save = stop_reason is not None or self._save_due() or self._epoch_save_pending
+        self._epoch_save_pending = False
+        if self.done and self.config.save_final:
+            c.complete = True
+            save = True
+        if save:
+            self.save()
+        if stop_reason is not None:
+            return self._halt(stop_reason)
+        return self.done
+
+    def _loader_marks(self) -> tuple[int, int]:
+        """(batches, samples) yielded so far by the first tracked loader (the training one)."""
+        loaders = self._loaders()
+        if not loaders:
+            return (0, 0)
+        return (loaders[0].yielded_batches, loaders[0].yielded_samples)
+
+    def _save_due(self) -> bool:
+        cfg, c = self.config, self.counters
+        due = bool(cfg.save_every and c.step % cfg.save_every == 0)
+        if cfg.save_every_minutes is not None:
+            elapsed = time.time() - self._last_save_wall
+            due = due or _dist.any_true(elapsed >= cfg.save_every_minutes * 60)
+        return due
+
+    def _stop_reason(self) -> str | None:
+        signalled = self._stop.requested
+        out_of_time = False
+        if self._deadline is not None:
+            need = (self._step_seconds or 0.0) + (self.last_save_seconds or 0.0)
+            out_of_time = time.time() + need + self.config.time_margin >= self._deadline
+        if self.world_size > 1:
+            # Every rank must stop at the same step, whichever rank saw the signal.
+            signalled = _dist.any_true(signalled)
+            out_of_time = _dist.any_true(out_of_time)
+        if signalled:
+            return f"signal {self._stop.name or 'on another rank'}"
+        if out_of_time:
+            return "time limit"
+        return None
+
+    def _halt(self, reason: str) -> bool:
+        self.stopped = True
+        if self._metrics is not None:
+            self._metrics.event("stop", step=self.counters.step, reason=reason)
+        self.close()
+        if self.config.exit_on_stop:
+            print(
+                f"unbroken: stopped at step {self.counters.step} ({reason}); checkpoint saved "
+                f"in {self.dir}; relaunch the same command to continue",
+                file=sys.stderr,
+            )
+            raise SystemExit(EXIT_RESUMABLE)
+        return True
+
+    def _next_save_text(self) -> str:
+        every = self.config.save_every
+        if not every:
+            return ""
+        return f"next save in {every - self.counters.step % every} steps"
+
+    def epochs(self, num_epochs: int) -> Iterator[int]:
+        """Epoch numbers from the one in progress to ``num_epochs - 1``; then ``finish()``."""
+        while self.counters.epoch < num_epochs and not self.done:
+            epoch = self.counters.epoch
+            for loader in self._loaders():
+                if isinstance(loader, DataLoader):
+                    loader.set_epoch(epoch)
+            yield epoch
+            if self.done or self.stopped:
+                break
+            self._end_epoch(epoch + 1)
+        if not self.stopped:
+            self.finish()
+
+    def loop(self, loader: Iterable[Any], *, epochs: int | None = None) -> Iterator[Any]:
+        """Batches across epochs until ``max_steps`` (or ``epochs``), then ``finish()``."""
+        if self.config.max_steps is None and epochs is None:
+            raise ConfigError("loop() needs max_steps (a Run option) or epochs=")
+        while not self.done and (epochs is None or self.counters.epoch < epochs):
+            for batch in loader:
+                self.counters.epoch = getattr(loader, "epoch", self.counters.epoch)
+                yield batch
+                if self.done or self.stopped:
+                    break
+            else:
+                self._end_epoch(getattr(loader, "epoch", self.counters.epoch) + 1)
+                continue
+            break
+        if not self.stopped:
+            self.finish()
+
+    def _end_epoch(self, next_epoch: int) -> None:
+        self.counters.epoch = next_epoch
+        if not self.config.save_on_epoch_end or self.done:
+            return
+        if self._loader_marks()[0] != self._marks[0]:
+            # Batches were drawn since the last step: a gradient-accumulation window spans the
+            # epoch boundary. Saving now would lose it; save at the end of this step instead.
+            self._epoch_save_pending = True
+        else:
+            self.save()
+
+    def _loaders(self) -> list[Any]:
+        return [c.obj for c in self.registry if isinstance(c.obj, (DataLoader, IterableLoader))]
+
+    # ---- saving -------------------------------------------------------------------------------
+
+    def save(self) -> str:
+        """Save every component now (collective); returns the checkpoint path."""
+        t0 = time.perf_counter()
+        c = self.counters
+        if self._metrics is not None:
+            c.metrics_offset = self._metrics.offset()
+        payload = self.registry.collect(self.rank)
+        meta = {"epoch": c.epoch, "samples": c.samples, "stage": c.stage}
+        path = self.store.save(c.step, payload, meta)
+        if self.rank == 0:
+            self.store.apply_retention(c.step)
+        self.last_saved_step = c.step
+        self.last_save_seconds = time.perf_counter() - t0
+        self._last_save_wall = time.time()
+        # Time spent saving is not a training step.
+        self._last_tick += self.last_save_seconds
+        return path
+
+    def finish(self) -> None:
+        """Mark training complete, save a final checkpoint (if configured) and close."""
+        if self._closed:
+            return
+        c = self.counters
+        if self.config.save_final and not (c.complete and self.last_saved_step == c.step):
+            c.complete = True
+            self.save()
+        c.complete = True
+        self.close()
+
+    def close(self) -> None:
+        """Release the lock, flush the metrics and put the signal handlers back."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.uninstall()
+        if self._progress is not None:
+            self._progress.close()
+        if self._metrics is not None:
+            self._metrics.close()
+        if self._lock.held:
+            self._lock.release()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Run({self.dir!r}, step={self.counters.step}, epoch={self.counters.epoch}, "
+            f"components={self.registry.names()})"
+        )
