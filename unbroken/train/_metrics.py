@@ -38,6 +38,9 @@ class MetricsLog:
     def _write(self, record: dict[str, Any]) -> None:
         line = json.dumps({k: _plain(v) for k, v in record.items()}, allow_nan=True)
         self._f.write(line.encode() + b"\n")
+        # Flushed per line so `tail -f` and watchers see each step; durability comes from the
+        # checkpoint (which records the length), so no fsync.
+        self._f.flush()
 
     def offset(self) -> int:
         """Flush and return the byte length (recorded in every checkpoint)."""
