@@ -99,14 +99,12 @@ def _train(script: Path, common: list[str], run_dir: Path, plan: list[tuple[int,
                 proc.send_signal(getattr(signal, "SIG" + sig))
         out, err = proc.communicate()
         code = proc.returncode
-        resumed = [
-            int(w)
-            for line in out.splitlines()
-            if line.startswith("resumed from step")
-            for w in line.split()[-1:]
-        ]
+        resumed = next(
+            (int(line.split()[-1]) for line in out.splitlines() if line.startswith("resumed from")),
+            None,
+        )
         outcome.attempts.append(
-            Attempt(sig or "-", target, code, time.perf_counter() - a0, (resumed or [None])[0])
+            Attempt(sig or "-", target, code, time.perf_counter() - a0, resumed)
         )
         expected = {"KILL": -signal.SIGKILL, "TERM": EXIT_RESUMABLE, "": 0}[sig]
         if code != expected and not (sig and code == 0):
