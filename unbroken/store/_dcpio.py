@@ -232,7 +232,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def tensor_infos(md: dcp_md.Metadata) -> dict[str, TensorInfo]:

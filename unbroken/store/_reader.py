@@ -44,6 +44,9 @@ class CheckpointReader:
         for name in (_manifest.STATE_FILE, ".metadata"):
             if name not in self.manifest["files"]:
                 raise CorruptCheckpointError(f"{self.path}: manifest does not list {name}")
+        # Parse (safely) and validate the tensor metadata too, so that a checkpoint whose
+        # checksums match but whose metadata is unsafe or malformed is skipped by latest().
+        self.tensor_infos()
 
     def global_trees(self) -> dict[str, Any]:
         return self._trees(_manifest.STATE_FILE)
