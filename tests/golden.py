@@ -81,15 +81,19 @@ def _strip(trees: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def assert_identical(ref_dir: Path, other_dir: Path) -> None:
-    """Bitwise equality of every tracked tensor, all JSON state and the per-step metrics."""
+def assert_identical(ref_dir: Path, other_dir: Path, ignore: tuple[str, ...] = ()) -> None:
+    """Bitwise equality of every tracked tensor, all JSON state and the per-step metrics.
+
+    ``ignore`` names components whose JSON state is not compared (e.g. "rng" when a script
+    never seeds Python's and NumPy's streams, which then start from OS entropy in every process).
+    """
     ta, ja = final_state(ref_dir)
     tb, jb = final_state(other_dir)
     assert ta.keys() == tb.keys(), f"tensor sets differ: {sorted(ta.keys() ^ tb.keys())}"
     diff = [k for k in ta if ta[k].dtype != tb[k].dtype or not torch.equal(ta[k], tb[k])]
     assert not diff, f"tensors differ: {diff[:10]}"
     sa, sb = _strip(ja), _strip(jb)
-    for comp in sorted(sa.keys() | sb.keys()):
+    for comp in sorted((sa.keys() | sb.keys()) - set(ignore)):
         assert sa.get(comp) == sb.get(comp), f"component {comp!r} state differs"
     ma, mb = read_metrics(str(ref_dir)), read_metrics(str(other_dir))
     assert [m["step"] for m in ma] == list(range(1, len(ma) + 1)), "reference log has gaps"

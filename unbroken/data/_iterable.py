@@ -58,10 +58,13 @@ class IterableLoader:
         self.drop_last = drop_last
         self.epoch = 0
         self.position = 0
+        self._ended = False  # a pass ran to its end; the next iter() starts the next epoch
         self.yielded_batches = 0
         self.yielded_samples = 0
 
     def __iter__(self) -> Iterator[Any]:
+        if self._ended:
+            self.epoch, self.position, self._ended = self.epoch + 1, 0, False
         it = iter(self.dataset)  # type: ignore[call-overload]
         while True:
             items = []
@@ -70,7 +73,8 @@ class IterableLoader:
                 if len(items) == self.batch_size:
                     break
             if not items or (self.drop_last and len(items) < self.batch_size):
-                self.epoch, self.position = self.epoch + 1, 0
+                # Like DataLoader: ``epoch`` stays the finished epoch until the next pass.
+                self._ended = True
                 return
             self.position += len(items)
             self.yielded_batches += 1
@@ -82,6 +86,7 @@ class IterableLoader:
             "version": ITERABLE_VERSION,
             "epoch": self.epoch,
             "position": self.position,
+            "ended": self._ended,
             "dataset": self.dataset.state_dict(),
         }
 
@@ -90,4 +95,5 @@ class IterableLoader:
             raise DataError(f"iterable loader state has version {state_dict.get('version')!r}")
         self.epoch = int(state_dict["epoch"])
         self.position = int(state_dict["position"])
+        self._ended = bool(state_dict.get("ended", False))
         self.dataset.load_state_dict(state_dict["dataset"])

@@ -168,7 +168,7 @@ class DataLoader:
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
-        if not hasattr(dataset, "__len__"):
+        if isinstance(dataset, tud.IterableDataset) or not hasattr(dataset, "__len__"):
             raise ConfigError(
                 "DataLoader needs a map-style dataset with __len__; for an iterable dataset "
                 "use unbroken.IterableLoader"
@@ -195,6 +195,10 @@ class DataLoader:
         """Batches and global samples yielded by this object (process-local, not saved)."""
         self._orders: dict[int, Any] = {}
         self._restart = False
+        # True once a pass over the current epoch ran to its end here: only then does the next
+        # iter() move on. A pass that starts on a finished epoch (just loaded or set_epoch'd)
+        # yields nothing, so the consumer sees that epoch end exactly as an uninterrupted one did.
+        self._ended = False
         self._inner = tud.DataLoader(
             _SeededFetch(dataset, self.seed, reseed_globals),
             batch_sampler=_Batches(self),
@@ -239,10 +243,12 @@ class DataLoader:
             self._batch_size = value
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch`` at its beginning, unless it is the epoch in progress."""
+        """Iterate epoch ``epoch`` next: from its start, or from the position if it is the epoch
+        in progress (a finished one then yields nothing)."""
         if epoch != self.epoch:
             self.epoch, self.position = int(epoch), 0
             self._restart = self._plan is not None
+        self._ended = False
 
     def __len__(self) -> int:
         return self.batches_per_epoch()
@@ -283,9 +289,10 @@ class DataLoader:
         return self.world_size > 1 and remaining < self.world_size
 
     def __iter__(self) -> Iterator[Any]:
-        """Yield the rest of the current epoch (the next one if the current is finished)."""
-        if self.epoch_finished():
+        """Yield the rest of the current epoch (the next one if a pass here finished it)."""
+        if self._ended and self.epoch_finished():
             self.epoch, self.position = self.epoch + 1, 0
+        self._ended = False
         while True:
             self._restart = False
             plan = _Plan(self.epoch, self.position, self.batch_size)
@@ -301,9 +308,11 @@ class DataLoader:
                     if self._restart:
                         break
                 else:
+                    self._ended = True
                     return
             finally:
-                self._plan = None
+                if self._plan is plan:  # an abandoned older iterator must not clear a newer plan
+                    self._plan = None
 
     # ---- Stateful -----------------------------------------------------------------------------
 
@@ -317,6 +326,7 @@ class DataLoader:
             "drop_last": self.drop_last,
             "dataset_len": len(self.dataset),
             "batch_size": self.batch_size,
+            "ended": self._ended,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -336,4 +346,5 @@ class DataLoader:
                 )
         self.epoch = int(state_dict["epoch"])
         self.position = int(state_dict["position"])
+        self._ended = bool(state_dict.get("ended", False))
         self._restart = self._plan is not None

@@ -16,6 +16,7 @@ Order of events (the contract; docs/resume.md repeats it)::
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 import time
@@ -63,7 +64,10 @@ class Run:
         for name, obj in kwargs.items():
             if name in _RESERVED:
                 raise ConfigError(f"component name {name!r} is reserved by unbroken; rename it")
-            self.registry.add(name, obj)
+            try:
+                self.registry.add(name, obj)
+            except ConfigError as e:
+                raise ConfigError(f"Run keyword {name!r}: {e}{_option_hint(name)}") from None
         self.registry.add("counters", self.counters)
         if self.config.track_rng:
             self.registry.add("rng", GlobalRNG())
@@ -363,3 +367,10 @@ class Run:
             f"Run({self.dir!r}, step={self.counters.step}, epoch={self.counters.epoch}, "
             f"components={self.registry.names()})"
         )
+
+
+def _option_hint(name: str) -> str:
+    # A mistyped option arrives as a component of the wrong type: say which option was meant.
+    close = difflib.get_close_matches(name, sorted(RunConfig.fields()), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"; it is not a Run option either{hint}"
