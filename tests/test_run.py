@@ -222,12 +222,14 @@ def test_save_on_epoch_end_with_epochs(tmp_path, runs):
     d = tmp_path / "run"
     loader = _loader(12, 4)
     run = runs(d, **_net(), loader=loader, save_on_epoch_end=True, keep_last=None)
+    saves = _count_saves(run)
     at_start = []
     for epoch in run.epochs(3):
         at_start.append((epoch, run.last_saved_step))
         for _ in loader:
             run.step()
     assert at_start == [(0, None), (1, 3), (2, 6)]
+    assert saves == [3, 6, 9], "the last epoch's end and the final save are one save"
     assert _steps(d) == [3, 6, 9]
     for step, epoch in ((3, 1), (6, 2), (9, 3)):
         assert _reader(d, step).meta["epoch"] == epoch

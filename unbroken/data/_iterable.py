@@ -58,23 +58,30 @@ class IterableLoader:
         self.drop_last = drop_last
         self.epoch = 0
         self.position = 0
-        self._ended = False  # a pass ran to its end; the next iter() starts the next epoch
+        # The dataset's iterator ran out (the pass's last batch may still be being consumed),
+        # and the consumer has seen the pass end; only the latter moves on to the next epoch.
+        self._exhausted = False
+        self._ended = False
         self.yielded_batches = 0
         self.yielded_samples = 0
 
     def __iter__(self) -> Iterator[Any]:
         if self._ended:
-            self.epoch, self.position, self._ended = self.epoch + 1, 0, False
-        it = iter(self.dataset)  # type: ignore[call-overload]
+            self.epoch, self.position = self.epoch + 1, 0
+            self._ended = self._exhausted = False
+        # A pass resumed after its last batch yields nothing: the consumer sees the epoch end.
+        it = iter(()) if self._exhausted else iter(self.dataset)  # type: ignore[call-overload]
         while True:
             items = []
             for item in it:
                 items.append(item)
                 if len(items) == self.batch_size:
                     break
+            else:
+                self._exhausted = True
             if not items or (self.drop_last and len(items) < self.batch_size):
                 # Like DataLoader: ``epoch`` stays the finished epoch until the next pass.
-                self._ended = True
+                self._ended = self._exhausted = True
                 return
             self.position += len(items)
             self.yielded_batches += 1
@@ -86,6 +93,7 @@ class IterableLoader:
             "version": ITERABLE_VERSION,
             "epoch": self.epoch,
             "position": self.position,
+            "exhausted": self._exhausted,
             "ended": self._ended,
             "dataset": self.dataset.state_dict(),
         }
@@ -95,5 +103,6 @@ class IterableLoader:
             raise DataError(f"iterable loader state has version {state_dict.get('version')!r}")
         self.epoch = int(state_dict["epoch"])
         self.position = int(state_dict["position"])
+        self._exhausted = bool(state_dict.get("exhausted", False))
         self._ended = bool(state_dict.get("ended", False))
         self.dataset.load_state_dict(state_dict["dataset"])

@@ -274,7 +274,7 @@ class Run:
             yield epoch
             if self.done or self.stopped:
                 break
-            self._end_epoch(epoch + 1)
+            self._end_epoch(epoch + 1, last=epoch + 1 >= num_epochs)
         if not self.stopped:
             self.finish()
 
@@ -289,16 +289,19 @@ class Run:
                 if self.done or self.stopped:
                     break
             else:
-                self._end_epoch(getattr(loader, "epoch", self.counters.epoch) + 1)
+                next_epoch = getattr(loader, "epoch", self.counters.epoch) + 1
+                self._end_epoch(next_epoch, last=epochs is not None and next_epoch >= epochs)
                 continue
             break
         if not self.stopped:
             self.finish()
 
-    def _end_epoch(self, next_epoch: int) -> None:
+    def _end_epoch(self, next_epoch: int, *, last: bool = False) -> None:
         self.counters.epoch = next_epoch
         if not self.config.save_on_epoch_end or self.done:
             return
+        if last and self.config.save_final:
+            return  # finish() saves this step as the final checkpoint; do not write it twice
         if self._loader_marks()[0] != self._marks[0]:
             # Batches were drawn since the last step: a gradient-accumulation window spans the
             # epoch boundary. Saving now would lose it; save at the end of this step instead.
