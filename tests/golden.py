@@ -50,13 +50,19 @@ def run_interrupted(
     script: str | Path,
     args: list[str],
     run_dir: Path,
-    interrupts: list[tuple[int, str]],
+    interrupts: list[tuple[Any, ...]],
     resume_args: list[str] | None = None,
 ) -> None:
-    """Run with each interrupt in turn (a fresh process each), then to completion."""
-    for step, sig in interrupts:
+    """Run with each interrupt in turn (a fresh process each), then to completion.
+
+    An interrupt is (step, signal) or (step, signal, phase); the phase is understood by
+    tests/scripts/interrupt.py ("after" step K, or at the "start" of step K+1).
+    """
+    for step, sig, *phase in interrupts:
+        extra = ["--signal-phase", phase[0]] if phase else []
         code = launch(
-            script, [*args, "--run-dir", str(run_dir), "--signal-at", str(step), "--signal", sig]
+            script,
+            [*args, "--run-dir", str(run_dir), "--signal-at", str(step), "--signal", sig, *extra],
         )
         assert code == expected_code(sig), f"interrupt at {step} by {sig}: exit {code}"
     final = resume_args if resume_args is not None else args

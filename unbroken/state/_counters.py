@@ -30,6 +30,8 @@ class Counters:
     """Training finished; relaunching the command does no more steps."""
     stage: Any = None
     """Whatever the model factory needs to rebuild the model of this stage (staged training)."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Settings set by callbacks (unlike schedules, they are state)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """User-visible values to keep with the counters."""
 
@@ -43,6 +45,7 @@ class Counters:
             "metrics_offset": self.metrics_offset,
             "complete": self.complete,
             "stage": self.stage,
+            "overrides": dict(self.overrides),
             "extra": dict(self.extra),
         }
 
@@ -58,4 +61,5 @@ class Counters:
         self.metrics_offset = int(state_dict["metrics_offset"])
         self.complete = bool(state_dict["complete"])
         self.stage = state_dict.get("stage")
+        self.overrides = dict(state_dict.get("overrides") or {})
         self.extra = dict(state_dict.get("extra") or {})

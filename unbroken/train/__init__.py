@@ -1,7 +1,31 @@
-"""Train layer: the run, its triggers, signals, metrics log and progress display."""
+"""Train layer: the run, its triggers, signals, metrics log, settings, callbacks and stages."""
 
 from ._config import RunConfig
+from ._loop import StepContext
 from ._metrics import read_metrics
 from ._run import Run
+from ._settings import (
+    Constant,
+    EpochTable,
+    LinearWarmup,
+    Piecewise,
+    Settings,
+    StepTable,
+    WarmupCosine,
+)
+from ._staging import Change
 
-__all__ = ["Run", "RunConfig", "read_metrics"]
+__all__ = [
+    "Change",
+    "Constant",
+    "EpochTable",
+    "LinearWarmup",
+    "Piecewise",
+    "Run",
+    "RunConfig",
+    "Settings",
+    "StepContext",
+    "StepTable",
+    "WarmupCosine",
+    "read_metrics",
+]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,21 @@ class RunConfig:
     """Check every file's xxh3 before resuming (size checks always happen)."""
     track_rng: bool = True
     """Capture and restore the global Python, NumPy, torch and CUDA random streams."""
+    settings: Any = None
+    """An ``unbroken.Settings``: values that are constants or functions of (step, epoch)."""
+    before_step: Callable[..., Any] | None = None
+    """``before_step(ctx)`` at each step start in ``run.loop()``; may return a Change."""
+    on_epoch_start: Callable[..., Any] | None = None
+    """``on_epoch_start(ctx)`` before the first step of each epoch; may return a Change."""
+    model_factory: Callable[[Any], Any] | None = None
+    """``model_factory(stage)`` builds the model of a stage (on resume, before loading)."""
+    optimizer_factory: Callable[[Any], Any] | None = None
+    """``optimizer_factory(model)`` builds the optimizer after a model change (default: the
+    same class and param groups, matched by parameter name)."""
+    grow: Callable[..., Any] | None = None
+    """``grow(name, what, old, new_shape)`` remaps state of a reshaped parameter (see docs)."""
+    stage: Any = None
+    """The stage of the model you built (JSON-able); recorded in every checkpoint."""
 
     def __post_init__(self) -> None:
         for name in ("save_every", "keep_last", "keep_every", "max_steps"):

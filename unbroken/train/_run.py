@@ -25,16 +25,18 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .. import _dist
-from .._errors import ConfigError
+from .._errors import ConfigError, StateError
 from .._exit import EXIT_RESUMABLE
 from ..data import DataLoader, IterableLoader
 from ..data._seeding import derive, seed_globals
 from ..state import Counters, GlobalRNG, Registry
 from ..store import CheckpointReader, CheckpointStore, Retention, WriterLock
 from ._config import RunConfig, deadline
+from ._loop import Stepper
 from ._metrics import MetricsLog
 from ._progress import Progress
 from ._signals import StopRequest
+from ._tree_peek import saved_stage
 
 _RESERVED = ("counters", "rng")
 
@@ -59,7 +61,7 @@ class Run:
         self.config = RunConfig(**options)
         self.dir = os.path.abspath(os.fspath(run_dir))
         self.rank, self.world_size = _dist.rank(), _dist.world_size()
-        self.counters = Counters()
+        self.counters = Counters(stage=self.config.stage)
         self.registry = Registry()
         for name, obj in kwargs.items():
             if name in _RESERVED:
@@ -80,6 +82,7 @@ class Run:
         self._progress: Progress | None = None
         self._closed = False
         self.resumed_from: int | None = None
+        self._stepper = Stepper(self)
         self.stopped = False
         self.last_saved_step: int | None = None
         self.last_save_seconds: float | None = None
@@ -159,6 +162,16 @@ class Run:
             )
         else:
             trees = {**trees, **local}
+        stage = saved_stage(trees)
+        if stage != self.counters.stage:
+            # Build the model of the saved stage before loading anything into it.
+            if self.config.model_factory is None:
+                raise StateError(
+                    f"checkpoint {reader.path} is at stage {stage!r} but the model was built "
+                    f"for stage {self.counters.stage!r} and Run has no model_factory to build "
+                    "the saved stage; pass model_factory=build(stage)"
+                )
+            self._stepper.swap_model(self.config.model_factory(stage), reason="resume")
         names = self.registry.check_names(
             trees,
             allow_missing=allow_missing,
@@ -207,6 +220,10 @@ class Run:
         if self.done and self.config.save_final:
             c.complete = True
             save = True
+        if stop_reason is not None and self._metrics is not None:
+            # Logged before the save, so the checkpoint's log length includes it and a resume
+            # (which truncates the log to that length) keeps it.
+            self._metrics.event("stop", step=c.step, reason=stop_reason)
         if save:
             self.save()
         if stop_reason is not None:
@@ -246,8 +263,6 @@ class Run:
 
     def _halt(self, reason: str) -> bool:
         self.stopped = True
-        if self._metrics is not None:
-            self._metrics.event("stop", step=self.counters.step, reason=reason)
         self.close()
         if self.config.exit_on_stop:
             print(
@@ -266,11 +281,21 @@ class Run:
 
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """Epoch numbers from the one in progress to ``num_epochs - 1``; then ``finish()``."""
+        if self.config.before_step is not None or self.config.settings is not None:
+            raise ConfigError(
+                "settings and before_step are applied at step starts, which only run.loop() "
+                "sees; use `for batch in run.loop(loader)` (with epochs= if you count epochs)"
+            )
         while self.counters.epoch < num_epochs and not self.done:
             epoch = self.counters.epoch
-            for loader in self._loaders():
+            loaders = self._loaders()
+            for loader in loaders:
                 if isinstance(loader, DataLoader):
                     loader.set_epoch(epoch)
+            if self.config.on_epoch_start is not None:
+                first = not loaders or getattr(loaders[0], "position", 0) == 0
+                if first:
+                    self._stepper.begin_step(loaders[0] if loaders else None)
             yield epoch
             if self.done or self.stopped:
                 break
@@ -282,19 +307,47 @@ class Run:
         """Batches across epochs until ``max_steps`` (or ``epochs``), then ``finish()``."""
         if self.config.max_steps is None and epochs is None:
             raise ConfigError("loop() needs max_steps (a Run option) or epochs=")
-        while not self.done and (epochs is None or self.counters.epoch < epochs):
-            for batch in loader:
-                self.counters.epoch = getattr(loader, "epoch", self.counters.epoch)
-                yield batch
-                if self.done or self.stopped:
-                    break
-            else:
-                next_epoch = getattr(loader, "epoch", self.counters.epoch) + 1
-                self._end_epoch(next_epoch, last=epochs is not None and next_epoch >= epochs)
-                continue
-            break
+        yield from self._stepper.loop(loader, epochs)
         if not self.stopped:
             self.finish()
+
+    # ---- what the loop exposes ----------------------------------------------------------------
+
+    @property
+    def settings(self) -> Any:
+        """The settings' values for the current step (``run.settings.lr``, ...)."""
+        return self._stepper.values
+
+    @property
+    def accumulating(self) -> bool:
+        """In ``run.loop()`` with ``grad_accum`` > 1: more micro-batches follow in this step."""
+        return self._stepper.accumulating
+
+    @property
+    def model(self) -> Any:
+        """The tracked model (the new one after a callback changed it)."""
+        return self._stepper.model()
+
+    @property
+    def optimizer(self) -> Any:
+        """The tracked optimizer (rebuilt after a model change)."""
+        return self._stepper.optimizer()
+
+    @property
+    def ema(self) -> Any:
+        return self._stepper.ema()
+
+    @property
+    def stage(self) -> Any:
+        return self.counters.stage
+
+    def _log_event(self, kind: str, **fields: Any) -> None:
+        if self._metrics is not None:
+            self._metrics.event(kind, step=self.counters.step, **fields)
+        if self.rank == 0 and kind == "model_changed" and fields.get("reason") != "resume":
+            print(
+                f"unbroken: model changed at step {self.counters.step}: {fields}", file=sys.stderr
+            )
 
     def _end_epoch(self, next_epoch: int, *, last: bool = False) -> None:
         self.counters.epoch = next_epoch

@@ -40,7 +40,9 @@ class Settings:
         for key in ("batch_size", "grad_accum"):
             v = self._values.get(key)
             if v is not None and not callable(v) and (not isinstance(v, int) or v < 1):
-                raise ConfigError(f"setting {key!r} must be a positive int or a schedule, got {v!r}")
+                raise ConfigError(
+                    f"setting {key!r} must be a positive int or a schedule, got {v!r}"
+                )
 
     def __contains__(self, key: object) -> bool:
         return key in self._values

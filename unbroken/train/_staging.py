@@ -12,6 +12,7 @@ For every parameter of the new model:
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,11 +45,17 @@ class Remap:
     removed: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
-        return {"grown": self.grown, "added": self.added, "removed": self.removed,
-                "unchanged": len(self.unchanged)}
+        return {
+            "grown": self.grown,
+            "added": self.added,
+            "removed": self.removed,
+            "unchanged": len(self.unchanged),
+        }
 
 
-def classify(old: dict[str, torch.Size], new: dict[str, torch.Size], grow: GrowHook | None) -> Remap:
+def classify(
+    old: dict[str, torch.Size], new: dict[str, torch.Size], grow: GrowHook | None
+) -> Remap:
     r = Remap()
     for name, shape in new.items():
         before = old.get(name)
@@ -112,7 +119,12 @@ def rebuild_optimizer(
         gi = group_of.get(name, pattern_group.get(_pattern(name), 0))
         groups[gi]["params"].append(p)
     groups = [g for g in groups if g["params"]]
-    return type(old)(groups, **old.defaults)
+    # Each group carries every hyperparameter; pass the defaults the constructor accepts, then
+    # copy them all (some, like AdamW's decoupled_weight_decay, are not constructor arguments).
+    accepted = inspect.signature(type(old).__init__).parameters
+    new = type(old)(groups, **{k: v for k, v in old.defaults.items() if k in accepted})
+    new.defaults = dict(old.defaults)
+    return new
 
 
 def carry_optimizer_state(

@@ -1,0 +1,76 @@
+"""Run a training script, sending the process a signal right after optimizer step K.
+
+    python tests/scripts/interrupt.py SCRIPT [SCRIPT ARGS...] --signal-at K --signal TERM|KILL|...
+        [--signal-phase after|start]
+
+``after`` (default) signals when ``run.step()`` for step K returns (K=0: right after the Run is
+created); ``start`` signals at the start of step K+1, after its callbacks ran (e.g. right after a
+model change), before any of its micro-batches. The script itself runs unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+
+
+def _take(argv: list[str], flag: str, default: str | None = None) -> str | None:
+    if flag not in argv:
+        return default
+    i = argv.index(flag)
+    value = argv[i + 1]
+    del argv[i : i + 2]
+    return value
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    at = _take(argv, "--signal-at")
+    sig = getattr(signal, "SIG" + (_take(argv, "--signal", "KILL") or "KILL"))
+    phase = _take(argv, "--signal-phase", "after")
+    if at is not None:
+        _arm(int(at), sig, phase or "after")
+    sys.argv = argv
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+def _arm(at: int, sig: int, phase: str) -> None:
+    import unbroken
+    from unbroken.train import _loop, _run
+
+    def fire() -> None:
+        os.kill(os.getpid(), sig)
+
+    if phase == "after":
+        step, init = _run.Run.step, _run.Run.__init__
+
+        def patched_step(self, *a, **k):  # type: ignore[no-untyped-def]
+            out = step(self, *a, **k)
+            if self.counters.step == at:
+                fire()
+            return out
+
+        def patched_init(self, *a, **k):  # type: ignore[no-untyped-def]
+            init(self, *a, **k)
+            if at == 0 and self.counters.step == 0:
+                fire()
+
+        _run.Run.step = patched_step  # type: ignore[method-assign]
+        _run.Run.__init__ = patched_init  # type: ignore[method-assign]
+    else:
+        begin = _loop.Stepper.begin_step
+
+        def patched_begin(self, loader):  # type: ignore[no-untyped-def]
+            out = begin(self, loader)
+            if self.run.counters.step == at:
+                fire()
+            return out
+
+        _loop.Stepper.begin_step = patched_begin  # type: ignore[method-assign]
+    assert unbroken
+
+
+if __name__ == "__main__":
+    main()

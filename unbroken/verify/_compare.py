@@ -1,0 +1,402 @@
+"""Compare two run directories: every tracked tensor and all JSON state at every checkpoint step
+both hold, and the per-step metrics log.
+
+Tensors are compared bitwise by default (``-0.0`` differs from ``0.0``, a NaN equals the same
+NaN), or with ``atol``/``rtol``. The walk follows each component's JSON tree, so keys come out in
+the order the checkpoint stores them (``optimizer.param_groups.0.lr`` before
+``optimizer.state.0.weight.exp_avg``) and tensors are named by their path with dots.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .._errors import CheckpointError
+from ..store import CheckpointReader, scan
+from ..train import read_metrics
+from ._errors import VerifyError
+
+VOLATILE = ("counters.train_seconds", "counters.metrics_offset")
+"""State that legitimately differs between an interrupted and an uninterrupted run."""
+
+# At one step, the component whose difference most likely *causes* the others comes first.
+_KIND_ORDER = ("counters", "loader", "rng", "generator", "module", "optimizer", "stateful")
+_CLASS_ORDER = {"length": 0, "missing": 0, "unreadable": 0, "state": 1, "tensor": 2, "metric": 3}
+
+
+@dataclass(frozen=True, slots=True)
+class Difference:
+    """The first place where the two runs disagree about one component (or metric)."""
+
+    step: int
+    """The checkpoint step (or, for the metrics log, the logged step) where it first differs."""
+    component: str
+    """A tracked component (``model``, ``optimizer``, ``rng``...), ``metrics`` or ``checkpoints``."""
+    key: str
+    """The path inside the component, with dots (``state.0.weight.exp_avg``); "" for all of it."""
+    kind: str
+    """``tensor``, ``state`` (JSON value), ``metric``, ``missing``, ``length`` or ``unreadable``."""
+    reference: str
+    """The uninterrupted run's value, shortened."""
+    other: str
+    """The interrupted run's value, shortened."""
+    max_abs_diff: float | None = None
+    """For tensors of equal shape: the largest absolute elementwise difference."""
+
+    @property
+    def where(self) -> str:
+        return f"{self.component}.{self.key}" if self.key else self.component
+
+    def describe(self) -> str:
+        """E.g. ``optimizer.state.0.weight.exp_avg first differs at step 120 (max |Δ| 3e-05)``."""
+        if self.kind == "tensor" and self.max_abs_diff is not None:
+            detail = f"max |Δ| {self.max_abs_diff:.3g}"
+        else:
+            detail = f"{self.reference} vs {self.other}"
+        return f"{self.where} first differs at step {self.step} ({detail})"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "where": self.where}
+
+
+@dataclass(slots=True)
+class Comparison:
+    """What :func:`compare_runs` found."""
+
+    steps: list[int]
+    """Checkpoint steps compared (held by both runs)."""
+    metrics_steps: int
+    """Step records of the metrics log compared."""
+    differences: list[Difference] = field(default_factory=list)
+    """The first difference of each component (and of each metric), earliest first."""
+    kinds: dict[str, str] = field(default_factory=dict)
+    """Component name -> kind, from the reference's newest checkpoint."""
+    schedulers: list[str] = field(default_factory=list)
+    """Tracked components that look like LR schedulers."""
+
+    @property
+    def passed(self) -> bool:
+        return not self.differences
+
+    @property
+    def first_difference(self) -> Difference | None:
+        """The earliest difference in tracked state, else the earliest in the metrics log."""
+        state = [d for d in self.differences if d.component != "metrics"]
+        return (state or self.differences or [None])[0]
+
+    @property
+    def first_metric_difference(self) -> Difference | None:
+        return next((d for d in self.differences if d.component == "metrics"), None)
+
+
+def compare_runs(
+    ref_dir: str | os.PathLike[str],
+    other_dir: str | os.PathLike[str],
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    ignore: Iterable[str] = (),
+) -> Comparison:
+    """Compare two existing run directories (``ref_dir`` is the uninterrupted one).
+
+    ``ignore`` holds ``COMPONENT`` or ``COMPONENT.KEY`` prefixes (``rng.python``,
+    ``metrics.throughput``); ``counters.train_seconds`` and ``counters.metrics_offset`` are
+    always ignored. Raises :class:`VerifyError` when the two hold no checkpoint step in common
+    and no metrics log::
+
+        cmp = compare_runs("runs/a", "runs/b")
+        assert cmp.passed, cmp.first_difference.describe()
+    """
+    ref, other = os.fspath(ref_dir), os.fspath(other_dir)
+    for d in (ref, other):
+        if not os.path.isdir(d):
+            raise VerifyError(f"{d} is not a run directory")
+    w = _Walker(atol, rtol, (*VOLATILE, *ignore))
+    ref_steps = {s: p for s, p in scan(ref)}
+    other_steps = {s: p for s, p in scan(other)}
+    shared = sorted(ref_steps.keys() & other_steps.keys())
+    kinds: dict[str, str] = {}
+    schedulers: list[str] = []
+    if ref_steps:
+        kinds, schedulers = _components(ref_steps[max(ref_steps)])
+    found: dict[str, Difference] = {}
+    for step in shared:
+        for d in _compare_step(step, ref_steps[step], other_steps[step], w, kinds):
+            found.setdefault(d.component, d)
+    if ref_steps and other_steps and max(ref_steps) != max(other_steps):
+        step = min(max(ref_steps), max(other_steps))
+        ends = (f"ends at step {max(ref_steps)}", f"ends at step {max(other_steps)}")
+        found.setdefault("checkpoints", Difference(step, "checkpoints", "", "length", *ends))
+    n_metrics, metric_diffs = _compare_metrics(ref, other, w)
+    if not shared and n_metrics == 0 and not metric_diffs:
+        raise VerifyError(
+            f"{ref} and {other} hold no checkpoint step in common and no metrics log to compare"
+        )
+    diffs = sorted(found.values(), key=lambda d: _order(d, kinds)) + metric_diffs
+    diffs.sort(key=lambda d: d.step)  # stable: within a step, the order above stays
+    return Comparison(shared, n_metrics, diffs, kinds, schedulers)
+
+
+def _order(d: Difference, kinds: dict[str, str]) -> tuple[int, int, int, str]:
+    kind = kinds.get(d.component.split("@", 1)[0], "stateful")
+    rank = _KIND_ORDER.index(kind) if kind in _KIND_ORDER else len(_KIND_ORDER)
+    return (d.step, _CLASS_ORDER.get(d.kind, 9), rank, d.component)
+
+
+def _components(path: str) -> tuple[dict[str, str], list[str]]:
+    try:
+        reader = CheckpointReader(path)
+        comps = reader.components
+        trees = reader.global_trees()
+    except CheckpointError:
+        return {}, []
+    kinds = {name: str(c.get("kind", "stateful")) for name, c in comps.items()}
+    schedulers = [
+        n for n, t in trees.items() if isinstance(t, dict) and {"base_lrs", "last_epoch"} <= set(t)
+    ]
+    return kinds, schedulers
+
+
+def _open(path: str) -> CheckpointReader:
+    reader = CheckpointReader(path)
+    reader.verify(checksums=True)
+    return reader
+
+
+def _load(reader: CheckpointReader) -> dict[str, torch.Tensor]:
+    tensors = {k: torch.empty(i.shape, dtype=i.dtype) for k, i in reader.tensor_infos().items()}
+    reader.load_tensors(tensors)
+    return tensors
+
+
+def _trees(reader: CheckpointReader, ranks: int) -> dict[str, Any]:
+    trees = dict(reader.global_trees())
+    for r in range(ranks):
+        for name, tree in (reader.local_trees(r) or {}).items():
+            trees[name if r == 0 else f"{name}@rank{r}"] = tree
+    return trees
+
+
+def _compare_step(
+    step: int, ref_path: str, other_path: str, w: _Walker, kinds: dict[str, str]
+) -> list[Difference]:
+    readers = []
+    for path in (ref_path, other_path):
+        try:
+            readers.append(_open(path))
+        except CheckpointError as e:
+            return [Difference(step, "checkpoints", "", "unreadable", "", str(e)[:200])]
+    a, b = readers
+    ranks = min(a.world_size, b.world_size)
+    trees_a, trees_b = _trees(a, ranks), _trees(b, ranks)
+    w.tensors = (_load(a), _load(b))
+    out = []
+    for name in [*trees_a, *(n for n in trees_b if n not in trees_a)]:
+        if w.ignored(name):
+            continue
+        if name not in trees_a or name not in trees_b:
+            have = "tracked" if name in trees_a else "absent"
+            out.append(Difference(step, name, "", "missing", have, _flip(have)))
+            continue
+        diffs: list[tuple[str, str, str, str, float | None]] = []
+        w.walk(trees_a[name], trees_b[name], name, diffs, limit=1)
+        if diffs:
+            key, kind, ra, rb, mad = diffs[0]
+            out.append(Difference(step, name, key, kind, ra, rb, mad))
+    w.tensors = ({}, {})
+    return out
+
+
+def _flip(have: str) -> str:
+    return "absent" if have == "tracked" else "tracked"
+
+
+def _compare_metrics(ref: str, other: str, w: _Walker) -> tuple[int, list[Difference]]:
+    if w.ignored("metrics"):
+        return 0, []
+    logs = []
+    for d in (ref, other):
+        try:
+            logs.append(read_metrics(d))
+        except FileNotFoundError:
+            logs.append(None)
+    ma, mb = logs
+    if ma is None and mb is None:
+        return 0, []
+    if ma is None or mb is None:
+        have = "absent" if ma is None else "present"
+        return 0, [Difference(0, "metrics", "", "missing", have, _flip_log(have))]
+    seen: dict[str, Difference] = {}
+    for i, (ra, rb) in enumerate(zip(ma, mb, strict=False)):
+        step = ra.get("step", i + 1) if isinstance(ra.get("step"), int) else i + 1
+        for key in [*ra, *(k for k in rb if k not in ra)]:
+            if key in seen or w.ignored(f"metrics.{key}"):
+                continue
+            diffs: list[tuple[str, str, str, str, float | None]] = []
+            if key not in ra or key not in rb:
+                diffs.append(("", "metric", _short(ra.get(key)), _short(rb.get(key)), None))
+            else:
+                w.walk(ra[key], rb[key], f"metrics.{key}", diffs, limit=1)
+            if diffs:
+                _, _, va, vb, _ = diffs[0]
+                seen[key] = Difference(step, "metrics", key, "metric", va, vb)
+    out = list(seen.values())
+    if len(ma) != len(mb):
+        n = min(len(ma), len(mb))
+        out.append(
+            Difference(n + 1, "metrics", "", "length", f"{len(ma)} steps", f"{len(mb)} steps")
+        )
+    return min(len(ma), len(mb)), out
+
+
+def _flip_log(have: str) -> str:
+    return "present" if have == "absent" else "absent"
+
+
+class _Walker:
+    """Walks two JSON trees side by side; ``$tensor`` leaves compare the loaded tensors."""
+
+    def __init__(self, atol: float, rtol: float, ignore: Iterable[str]) -> None:
+        self.atol, self.rtol = float(atol), float(rtol)
+        self.exact = self.atol == 0 and self.rtol == 0
+        self.ignore = tuple(ignore)
+        self.tensors: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
+
+    def ignored(self, path: str) -> bool:
+        base = _strip_rank(path)
+        return any(base == p or base.startswith(p + ".") for p in self.ignore)
+
+    def walk(self, a: Any, b: Any, path: str, out: list[Any], limit: int) -> None:
+        if len(out) >= limit or self.ignored(path):
+            return
+        ma, mb = _marker(a), _marker(b)
+        if ma is not None or mb is not None:
+            if ma != mb:
+                out.append(_leaf(path, "state", a, b))
+            elif ma == "$tensor":
+                self._tensor(path, a["$tensor"], b["$tensor"], out)
+            elif ma in ("$tuple", "$dict") and isinstance(a[ma], list) and isinstance(b[ma], list):
+                self.walk(a[ma], b[ma], path, out, limit)
+            elif a != b:
+                out.append(_leaf(path, "state", a, b))
+        elif isinstance(a, dict) and isinstance(b, dict):
+            for k in [*a, *(k for k in b if k not in a)]:
+                if k not in a or k not in b:
+                    out.append(_leaf(f"{path}.{k}", "state", a.get(k), b.get(k)))
+                else:
+                    self.walk(a[k], b[k], f"{path}.{k}", out, limit)
+                if len(out) >= limit:
+                    return
+        elif isinstance(a, list) and isinstance(b, list):
+            if len(a) != len(b):
+                out.append(_leaf(path, "state", f"{len(a)} items", f"{len(b)} items"))
+                return
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                self.walk(x, y, f"{path}.{i}", out, limit)
+                if len(out) >= limit:
+                    return
+        elif not self._same_scalar(a, b):
+            out.append(_leaf(path, "state", a, b))
+
+    def _same_scalar(self, a: Any, b: Any) -> bool:
+        if type(a) is not type(b) and not (_is_num(a) and _is_num(b)):
+            return False
+        if isinstance(a, float) or isinstance(b, float):
+            x, y = float(a), float(b)
+            if math.isnan(x) or math.isnan(y):
+                return math.isnan(x) and math.isnan(y)
+            if self.exact:
+                return x == y and math.copysign(1, x) == math.copysign(1, y)
+            return math.isclose(x, y, rel_tol=self.rtol, abs_tol=self.atol)
+        return bool(a == b)
+
+    def _tensor(self, path: str, name_a: str, name_b: str, out: list[Any]) -> None:
+        ta, tb = self.tensors[0].get(name_a), self.tensors[1].get(name_b)
+        if ta is None or tb is None:
+            have = ("absent" if ta is None else "present", "absent" if tb is None else "present")
+            out.append(_leaf(path, "tensor", *have))
+            return
+        if ta.dtype != tb.dtype or ta.shape != tb.shape:
+            out.append(_leaf(path, "tensor", _describe(ta), _describe(tb)))
+            return
+        if _tensors_equal(ta, tb, self.exact, self.atol, self.rtol):
+            return
+        key = path.split(".", 1)[1] if "." in path else ""
+        out.append((key, "tensor", _describe(ta), _describe(tb), _max_abs_diff(ta, tb)))
+
+
+def _tensors_equal(a: torch.Tensor, b: torch.Tensor, exact: bool, atol: float, rtol: float) -> bool:
+    if exact or not (a.is_floating_point() or a.is_complex()):
+        if a.numel() == 0:
+            return True
+        return torch.equal(_bits(a), _bits(b))
+    wide = torch.complex128 if a.is_complex() else torch.float64
+    return bool(torch.allclose(a.to(wide), b.to(wide), rtol=rtol, atol=atol, equal_nan=True))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes: bit-for-bit equality, so NaN payloads and the sign of zero count."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    if a.numel() == 0:
+        return None
+    if a.is_complex():
+        d = (a.to(torch.complex128) - b.to(torch.complex128)).abs()
+    elif a.dtype == torch.bool:
+        d = (a != b).double()
+    else:
+        d = (a.double() - b.double()).abs()
+    d = d[~torch.isnan(d)]
+    return float(d.max()) if d.numel() else float("nan")
+
+
+def _describe(t: torch.Tensor) -> str:
+    shape = "x".join(map(str, t.shape)) or "scalar"
+    if t.numel() == 1:
+        return f"{t.reshape(-1)[0].item()!r} ({str(t.dtype).removeprefix('torch.')})"
+    return f"{shape} {str(t.dtype).removeprefix('torch.')}"
+
+
+def _marker(v: Any) -> str | None:
+    if isinstance(v, dict) and len(v) == 1:
+        (k,) = v
+        if isinstance(k, str) and k.startswith("$"):
+            return k
+    return None
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _strip_rank(path: str) -> str:
+    head, dot, rest = path.partition(".")
+    return head.split("@", 1)[0] + dot + rest
+
+
+def _leaf(path: str, kind: str, a: Any, b: Any) -> tuple[str, str, str, str, None]:
+    key = path.split(".", 1)[1] if "." in path else ""
+    return (key, kind, _short(a), _short(b), None)
+
+
+def _short(v: Any, limit: int = 80) -> str:
+    if isinstance(v, str):
+        text = v
+    else:
+        try:
+            text = json.dumps(v, sort_keys=True)
+        except (TypeError, ValueError):
+            text = repr(v)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+__all__ = ["Comparison", "Difference", "compare_runs"]
