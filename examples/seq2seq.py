@@ -84,7 +84,8 @@ class Translator(nn.Module):
         return emb(ids) * self.scale + self.pe[: ids.shape[1]]
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
-        causal = nn.Transformer.generate_square_subsequent_mask(tgt_in.shape[1])
+        t = tgt_in.shape[1]
+        causal = torch.ones(t, t, dtype=torch.bool).triu(1)  # True = may not attend
         h = self.transformer(
             self.embed(self.src_emb, src),
             self.embed(self.tgt_emb, tgt_in),
@@ -121,7 +122,7 @@ def main() -> int:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--save-every", type=int, default=25)
-    p.add_argument("--max-tokens", type=int, default=3000, help="padded tokens per batch")
+    p.add_argument("--max-tokens", type=int, default=1200, help="padded tokens per batch")
     p.add_argument("--window", type=int, default=512, help="samples sorted together")
     p.add_argument("--lines", type=int, default=None, help="use only the first N lines")
     p.add_argument("--vocab", choices=["char", "word"], default="char")

@@ -396,26 +396,27 @@ def test_resume_false_refuses_a_directory_with_checkpoints(tmp_path, runs):
 
 
 def test_relaunching_a_completed_run_does_no_more_steps(tmp_path, runs):
+    # Completed by its epochs (no max_steps): only the saved `complete` flag says it is done.
     d = tmp_path / "run"
     loader = _loader(8, 4)
-    run = runs(d, **_net(), loader=loader, max_steps=5)
-    for _ in run.loop(loader):
-        run.step()
-    assert _steps(d) == [5]
-    manifest = d / "checkpoints" / "step-000000005" / "manifest.json"
-    mtime = manifest.stat().st_mtime_ns if manifest.exists() else None
+    run = runs(d, **_net(), loader=loader)
+    for _ in run.epochs(2):
+        for _ in loader:
+            run.step()
+    assert _steps(d) == [4]
+    manifest = d / "checkpoints" / "step-000000004" / "manifest.json"
+    mtime = manifest.stat().st_mtime_ns
 
     loader = _loader(8, 4)
-    again = runs(d, **_net(), loader=loader, max_steps=5)
+    again = runs(d, **_net(), loader=loader)
     saves = _count_saves(again)
-    assert again.done
-    assert list(again.loop(loader)) == []
-    assert list(again.epochs(10)) == []
+    assert again.done and again.counters.step == 4
+    assert list(again.epochs(2)) == []
+    assert list(again.loop(loader, epochs=3)) == []
     again.finish()
-    assert saves == [] and _steps(d) == [5]
-    if mtime is not None:
-        assert manifest.stat().st_mtime_ns == mtime
-    assert [m["step"] for m in read_metrics(str(d))] == [1, 2, 3, 4, 5]
+    assert saves == [] and _steps(d) == [4]
+    assert manifest.stat().st_mtime_ns == mtime
+    assert [m["step"] for m in read_metrics(str(d))] == [1, 2, 3, 4]
 
 
 # ---- 3. saving perturbs no stream -------------------------------------------------------------
@@ -655,9 +656,7 @@ def _scaler_run(run_dir: Path, until: int) -> torch.amp.GradScaler:
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
-    run = Run(
-        run_dir, model=model, optimizer=opt, scaler=scaler, save_every=4, progress=False
-    )
+    run = Run(run_dir, model=model, optimizer=opt, scaler=scaler, save_every=4, progress=False)
     while run.counters.step < until:
         step = run.counters.step + 1
         x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
@@ -721,4 +720,3 @@ def test_second_run_in_the_same_process_gets_a_lock_error(tmp_path, runs):
     runs(d, **_net())
     with pytest.raises(LockError, match=f"pid {os.getpid()}"):
         Run(d, **_net())
-

@@ -25,6 +25,7 @@ from ._exit import EXIT_RESUMABLE
 from ._version import __version__
 
 if TYPE_CHECKING:
+    from ._launch import init_distributed
     from .data import DataLoader, IterableLoader, seed_everything
     from .state import EMA, Stateful
     from .store import CheckpointReader, CheckpointStore
@@ -61,6 +62,7 @@ _LAZY = {
     "StepContext": ".train",
     "StepTable": ".train",
     "WarmupCosine": ".train",
+    "init_distributed": "._launch",
     "read_metrics": ".train",
     "seed_everything": ".data",
 }
@@ -109,6 +111,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "WarmupCosine",
     "__version__",
+    "init_distributed",
     "read_metrics",
     "seed_everything",
 ]

@@ -53,12 +53,13 @@ def any_true(flag: bool) -> bool:
     return bool(t.item())
 
 
-def max_float(value: float) -> float:
+def sum_floats(values: list[float]) -> list[float]:
+    """Element-wise sum over ranks, in float64 (one collective)."""
     if not active():
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return [float(v) for v in t.tolist()]
 
 
 def _device() -> torch.device:

@@ -18,6 +18,20 @@ from .._errors import StateError
 from ._protocol import Stateful
 
 
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The module inside DDP / ``torch.compile`` wrappers: checkpoints use its names, so a
+    checkpoint saved with a wrapper loads without one (and on another world size)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        if isinstance(module, DistributedDataParallel):
+            module = module.module
+        elif hasattr(module, "_orig_mod") and isinstance(module._orig_mod, torch.nn.Module):
+            module = module._orig_mod
+        else:
+            return module
+
+
 class ModuleState:
     """An ``nn.Module``: ``state_dict`` tensors share storage with the live parameters."""
 
@@ -27,10 +41,10 @@ class ModuleState:
         self.module = module
 
     def state_dict(self) -> dict[str, Any]:
-        return self.module.state_dict()
+        return unwrap(self.module).state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        result = self.module.load_state_dict(state_dict, strict=False)
+        result = unwrap(self.module).load_state_dict(state_dict, strict=False)
         if result.missing_keys or result.unexpected_keys:
             raise StateError(
                 f"model keys differ from the checkpoint: missing {result.missing_keys}, "
@@ -58,7 +72,7 @@ class OptimizerState:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         # Prefix with the component name only when the parameters span several modules.
         for comp, module in self.modules.items():
-            for name, p in module.named_parameters(remove_duplicate=False):
+            for name, p in unwrap(module).named_parameters(remove_duplicate=False):
                 by_id.setdefault(id(p), name if len(owners) == 1 else f"{comp}.{name}")
         if len(owners) > 1:
             spanning = {n.split(".", 1)[0] for p in params if (n := by_id.get(id(p)))}
@@ -80,6 +94,23 @@ class OptimizerState:
             ],
         }
 
+    def template(self, path: str, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
+        """A load target for a saved state tensor the optimizer does not hold yet.
+
+        For a sharded (DTensor) parameter, per-parameter state of the parameter's shape must be
+        sharded like it, so that DCP reshards into it; other tensors are plain.
+        """
+        parts = path.strip("/").split("/")
+        if len(parts) != 3 or parts[0] != "state":
+            return None
+        name = parts[1].replace("%2F", "/").replace("%25", "%")
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        by_name = dict(zip(self._names(), params, strict=True))
+        p = by_name.get(name)
+        if p is None or tuple(p.shape) != shape or not _is_dtensor(p):
+            return None
+        return torch.empty_like(p.detach(), dtype=dtype)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         names = self._names()
         index = {n: i for i, n in enumerate(names)}
@@ -100,6 +131,14 @@ class OptimizerState:
                 ],
             }
         )
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(t, DTensor)
 
 
 class TorchGeneratorState:

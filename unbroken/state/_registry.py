@@ -201,8 +201,12 @@ class Registry:
                     )
                 if cur is not None and _loadable_in_place(cur):
                     targets[key] = cur
-                else:
-                    targets[key] = torch.empty(info.shape, dtype=info.dtype)
+                    continue
+                make = getattr(c.adapter, "template", None)
+                made = make(path, info.shape, info.dtype) if make is not None else None
+                targets[key] = (
+                    made if made is not None else torch.empty(info.shape, dtype=info.dtype)
+                )
         return targets
 
     def restore(

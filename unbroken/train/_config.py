@@ -30,7 +30,8 @@ class RunConfig:
     time_margin: float = 10.0
     """Seconds of slack kept before the budget ends, on top of a step and a save."""
     keep_last: int | None = 3
-    """Keep the newest N checkpoints (None keeps all)."""
+    """Keep the newest N checkpoints (None keeps all). The environment variable
+    ``UNBROKEN_KEEP_ALL=1`` overrides it with None (``unbroken verify`` sets it)."""
     keep_every: int | None = None
     """Also keep checkpoints whose step is a multiple of this."""
     max_steps: int | None = None
@@ -83,6 +84,9 @@ class RunConfig:
             not isinstance(self.resume, bool) and self.resume < 0
         ):
             raise ConfigError(f"resume must be True, False or a step number, got {self.resume!r}")
+        if os.environ.get("UNBROKEN_KEEP_ALL") == "1":
+            # Set by `unbroken verify`, which compares the runs at every checkpoint step.
+            self.keep_last = None
         self.allow_missing = tuple(self.allow_missing)
         self.allow_unexpected = tuple(self.allow_unexpected)
         self.time_limit_seconds()

@@ -24,6 +24,8 @@ import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import torch
+
 from .. import _dist
 from .._errors import ConfigError, StateError
 from .._exit import EXIT_RESUMABLE
@@ -206,6 +208,7 @@ class Run:
         marks = self._loader_marks()
         c.samples += marks[1] - self._marks[1]
         self._marks = marks
+        signalled, out_of_time, minutes_due, loss = self._agree(loss)
         if self._metrics is not None:
             record: dict[str, Any] = {"step": c.step, "epoch": c.epoch}
             if loss is not None:
@@ -214,8 +217,14 @@ class Run:
             self._metrics.step(record)
         if self._progress is not None:
             self._progress.update(c.step, loss, self._next_save_text())
-        stop_reason = self._stop_reason()
-        save = stop_reason is not None or self._save_due() or self._epoch_save_pending
+        stop_reason = None
+        if signalled:
+            stop_reason = f"signal {self._stop.name or 'on another rank'}"
+        elif out_of_time:
+            stop_reason = "time limit"
+        every = self.config.save_every
+        save = stop_reason is not None or minutes_due or self._epoch_save_pending
+        save = save or bool(every and c.step % every == 0)
         self._epoch_save_pending = False
         if self.done and self.config.save_final:
             c.complete = True
@@ -237,29 +246,28 @@ class Run:
             return (0, 0)
         return (loaders[0].yielded_batches, loaders[0].yielded_samples)
 
-    def _save_due(self) -> bool:
-        cfg, c = self.config, self.counters
-        due = bool(cfg.save_every and c.step % cfg.save_every == 0)
-        if cfg.save_every_minutes is not None:
-            elapsed = time.time() - self._last_save_wall
-            due = due or _dist.any_true(elapsed >= cfg.save_every_minutes * 60)
-        return due
+    def _agree(self, loss: Any) -> tuple[bool, bool, bool, Any]:
+        """(signalled, out of time, a timed save due, loss), agreed on by every rank.
 
-    def _stop_reason(self) -> str | None:
+        Each rank may see a signal or a clock the others do not; one all-reduce makes every
+        rank stop and save at the same step (no rank left waiting in a collective). The logged
+        loss is the mean over ranks.
+        """
         signalled = self._stop.requested
         out_of_time = False
         if self._deadline is not None:
             need = (self._step_seconds or 0.0) + (self.last_save_seconds or 0.0)
             out_of_time = time.time() + need + self.config.time_margin >= self._deadline
-        if self.world_size > 1:
-            # Every rank must stop at the same step, whichever rank saw the signal.
-            signalled = _dist.any_true(signalled)
-            out_of_time = _dist.any_true(out_of_time)
-        if signalled:
-            return f"signal {self._stop.name or 'on another rank'}"
-        if out_of_time:
-            return "time limit"
-        return None
+        minutes = self.config.save_every_minutes
+        minutes_due = minutes is not None and time.time() - self._last_save_wall >= minutes * 60
+        if loss is not None and isinstance(loss, torch.Tensor):
+            loss = loss.detach().float().mean().item()
+        if self.world_size == 1:
+            return signalled, out_of_time, minutes_due, loss
+        flags = [float(signalled), float(out_of_time), float(minutes_due)]
+        total = _dist.sum_floats([*flags, float(loss) if loss is not None else 0.0])
+        mean = total[3] / self.world_size if loss is not None else None
+        return total[0] > 0, total[1] > 0, total[2] > 0, mean
 
     def _halt(self, reason: str) -> bool:
         self.stopped = True

@@ -38,7 +38,7 @@ class Difference:
     step: int
     """The checkpoint step (or, for the metrics log, the logged step) where it first differs."""
     component: str
-    """A tracked component (``model``, ``optimizer``, ``rng``...), ``metrics`` or ``checkpoints``."""
+    """A tracked component (``model``, ``rng``...), ``metrics`` or ``checkpoints``."""
     key: str
     """The path inside the component, with dots (``state.0.weight.exp_avg``); "" for all of it."""
     kind: str
@@ -63,7 +63,10 @@ class Difference:
         return f"{self.where} first differs at step {self.step} ({detail})"
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "where": self.where}
+        out = {**asdict(self), "where": self.where}
+        if self.max_abs_diff is not None and not math.isfinite(self.max_abs_diff):
+            out["max_abs_diff"] = str(self.max_abs_diff)  # strict JSON has no nan/inf
+        return out
 
 
 @dataclass(slots=True)
@@ -89,7 +92,7 @@ class Comparison:
     def first_difference(self) -> Difference | None:
         """The earliest difference in tracked state, else the earliest in the metrics log."""
         state = [d for d in self.differences if d.component != "metrics"]
-        return (state or self.differences or [None])[0]
+        return (state or self.differences)[0] if self.differences else None
 
     @property
     def first_metric_difference(self) -> Difference | None:
@@ -115,9 +118,9 @@ def compare_runs(
         assert cmp.passed, cmp.first_difference.describe()
     """
     ref, other = os.fspath(ref_dir), os.fspath(other_dir)
-    for d in (ref, other):
-        if not os.path.isdir(d):
-            raise VerifyError(f"{d} is not a run directory")
+    for run_dir in (ref, other):
+        if not os.path.isdir(run_dir):
+            raise VerifyError(f"{run_dir} is not a run directory")
     w = _Walker(atol, rtol, (*VOLATILE, *ignore))
     ref_steps = {s: p for s, p in scan(ref)}
     other_steps = {s: p for s, p in scan(other)}
@@ -131,9 +134,9 @@ def compare_runs(
         for d in _compare_step(step, ref_steps[step], other_steps[step], w, kinds):
             found.setdefault(d.component, d)
     if ref_steps and other_steps and max(ref_steps) != max(other_steps):
-        step = min(max(ref_steps), max(other_steps))
+        end = min(max(ref_steps), max(other_steps))
         ends = (f"ends at step {max(ref_steps)}", f"ends at step {max(other_steps)}")
-        found.setdefault("checkpoints", Difference(step, "checkpoints", "", "length", *ends))
+        found.setdefault("checkpoints", Difference(end, "checkpoints", "", "length", *ends))
     n_metrics, metric_diffs = _compare_metrics(ref, other, w)
     if not shared and n_metrics == 0 and not metric_diffs:
         raise VerifyError(
@@ -221,7 +224,7 @@ def _flip(have: str) -> str:
 def _compare_metrics(ref: str, other: str, w: _Walker) -> tuple[int, list[Difference]]:
     if w.ignored("metrics"):
         return 0, []
-    logs = []
+    logs: list[list[dict[str, Any]] | None] = []
     for d in (ref, other):
         try:
             logs.append(read_metrics(d))

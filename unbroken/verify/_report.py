@@ -57,7 +57,7 @@ class VerifyReport:
     def first_difference(self) -> Difference | None:
         """The earliest difference in tracked state (else in the metrics log), or None."""
         state = [d for d in self.differences if d.component != "metrics"]
-        return (state or self.differences or [None])[0]
+        return (state or self.differences)[0] if self.differences else None
 
     @property
     def first_metric_difference(self) -> Difference | None:
@@ -220,9 +220,8 @@ def hints_for(cmp: Comparison, resumed_from: list[int]) -> list[str]:
     for d in at_first:
         if d.component in loaders:
             hints.append(LOADER_STATE.format(name=d.component))
-    if any(d.component.split("@")[0] == "rng" for d in at_first) and RNG not in hints:
-        if not (hints and hints[-1] == UNSEEDED_GLOBAL):
-            hints.append(RNG)
+    if any(d.component.split("@")[0] == "rng" for d in at_first) and UNSEEDED_GLOBAL not in hints:
+        hints.append(RNG)
     if not state:
         hints.append(METRICS_ONLY)
     else:

@@ -1,0 +1,69 @@
+"""Start a script as W ranks on 127.0.0.1 (torchrun's environment, without its agent), so a test
+can signal one rank and read every rank's exit code."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.golden import ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(
+    script: Path,
+    args: list[str],
+    world: int,
+    timeout: float = 240,
+    allowed: tuple[int, ...] = (0, 75, -signal.SIGKILL),
+) -> tuple[list[int], list[str]]:
+    """Run ``world`` ranks to the end; returns their exit codes (negative: killed by a signal)
+    and stderr texts. Ranks still alive at the timeout are killed and the test fails: a hang
+    is a bug. An exit code outside ``allowed`` fails the test with every rank's stderr."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    deadline = time.monotonic() + timeout
+    outputs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                if q.poll() is None:
+                    q.send_signal(signal.SIGKILL)
+            raise AssertionError(f"ranks hung past {timeout}s: {args}") from None
+        outputs.append(err)
+    codes = [p.returncode for p in procs]
+    if any(c not in allowed for c in codes):
+        raise AssertionError(f"exit codes {codes}\n" + "\n----\n".join(o[-3000:] for o in outputs))
+    return codes, outputs

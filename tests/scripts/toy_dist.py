@@ -1,0 +1,124 @@
+"""The toy training run on torch.distributed (gloo on CPU): DDP or FSDP2, for the golden tests.
+
+Options beyond toy_train's: ``--mode ddp|fsdp``; ``--signal-rank R|all`` (which ranks signal
+themselves after step K); ``--fail-save-at K --fail-rank R`` (rank R's save at step K hits EIO);
+``--dump-after-load FILE`` (rank 0 writes the full model, optimizer and EMA tensors right after
+the resume to a safetensors file, then exits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import unbroken
+from unbroken.store import _fsops
+
+
+class Noisy(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x @ torch.randn(8, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def get_sample(self, i: int, generator: torch.Generator):
+        return self.x[i] + 0.1 * torch.randn(8, generator=generator), self.y[i]
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--mode", choices=["ddp", "fsdp"], default="ddp")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--save-every", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=12)
+    p.add_argument("--n", type=int, default=72)
+    p.add_argument("--dropout", type=float, default=0.2)
+    p.add_argument("--signal-at", type=int, default=None)
+    p.add_argument("--signal", default="KILL")
+    p.add_argument("--signal-rank", default="all")
+    p.add_argument("--fail-save-at", type=int, default=None)
+    p.add_argument("--fail-rank", type=int, default=1)
+    p.add_argument("--dump-after-load", default=None)
+    a = p.parse_args()
+
+    rank, world = unbroken.init_distributed()
+    unbroken.seed_everything(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(a.dropout), torch.nn.Linear(32, 3)
+    )
+    if a.mode == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in (model[0], model[3]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        net = model
+    else:
+        net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    ema = unbroken.EMA(model, decay=0.9)
+    loader = unbroken.DataLoader(Noisy(a.n), batch_size=a.batch_size, seed=7)
+    run = unbroken.Run(
+        a.run_dir,
+        model=net,
+        optimizer=opt,
+        ema=ema,
+        loader=loader,
+        save_every=a.save_every,
+        max_steps=a.steps,
+        progress=False,
+    )
+    if a.dump_after_load:
+        from safetensors.torch import save_file
+
+        tensors = {f"model/{k}": full(v) for k, v in model.state_dict().items()}
+        for i, (name, p_) in enumerate(model.named_parameters()):
+            for key, v in opt.state[p_].items():
+                tensors[f"optimizer/state/{name}/{key}"] = full(v)
+            del i
+        tensors |= {f"ema/shadow/{k}": full(v) for k, v in ema.shadow.items()}
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, a.dump_after_load)
+        run.close()
+        dist.destroy_process_group()
+        return
+    me = a.signal_rank == "all" or int(a.signal_rank) == rank
+    for x, y in run.loop(loader):
+        loss = F.mse_loss(net(x), y.expand(-1, 3))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ema.update()
+        if a.fail_save_at is not None and run.counters.step + 1 == a.fail_save_at:
+            if rank == a.fail_rank:
+                _fsops.set_hook(_eio_on_write)
+        run.step(loss=loss, samples=list(loader.last_indices))
+        if a.signal_at is not None and run.counters.step == a.signal_at and me:
+            os.kill(os.getpid(), getattr(signal, "SIG" + a.signal))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _eio_on_write(event: str, path: str) -> None:
+    if event == "write":
+        raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,322 @@
+"""``unbroken verify`` / ``verify_resume``: exact scripts pass, each kind of resume bug is caught
+and named, the comparison is bitwise, bad input is refused.
+
+The end-to-end verifications (each runs a script 3-5 times) are started once, two at a time, by
+the module fixture ``verified``; the tests then look at their reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.golden import ROOT
+from unbroken import ConfigError, RunConfig
+from unbroken.cli import main
+from unbroken.state import Registry
+from unbroken.store import CheckpointStore
+from unbroken.verify import (
+    Comparison,
+    Difference,
+    ScriptFailedError,
+    VerifyError,
+    VerifyReport,
+    compare_runs,
+    plan_interrupts,
+    verify_resume,
+)
+from unbroken.verify._report import LOADER, LR, METRICS_ONLY, NONDET, UNSEEDED_GLOBAL, hints_for
+
+TOY = ROOT / "tests" / "scripts" / "toy_train.py"
+BROKEN = ROOT / "tests" / "scripts" / "broken_train.py"
+CHAR_LM = ROOT / "examples" / "char_lm.py"
+PY = sys.executable
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _cli(work: Path, interrupts: int, *cmd: str) -> tuple[int, dict[str, Any]]:
+    argv = [PY, "-m", "unbroken", "verify", "--json", "--quiet", "--interrupts", str(interrupts)]
+    proc = subprocess.run(
+        [*argv, "--work", str(work), "--", *cmd],
+        env=ENV,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.stdout, proc.stderr[-3000:]
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def _lib(work: Path | None, interrupts: int, *cmd: str) -> VerifyReport:
+    return verify_resume([PY, *cmd], interrupts=interrupts, work_dir=work, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def verified(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every end-to-end verification of this file, run two at a time (longest first)."""
+    work = tmp_path_factory.mktemp("verify")
+    toy = ("--steps", "16", "--save-every", "4")
+    char_lm = ("--steps", "12", "--save-every", "4", "--workers", "0")
+    char_lm += ("--context", "32", "--batch-size", "8")
+    jobs: dict[str, Callable[[], Any]] = {
+        # The toy script (AdamW, LambdaLR, EMA, noisy data, dropout) through the CLI, K=3.
+        "toy": lambda: _cli(work / "toy", 3, PY, str(TOY), "--run-dir", "{run_dir}", *toy),
+        # The demo's char-level transformer (AMP + GradScaler, EMA), K=2, default temp dir.
+        "char_lm": lambda: _lib(None, 2, str(CHAR_LM), "--run-dir", "{run_dir}", *char_lm),
+        # One interruption is enough to expose each bug; no {run_dir}: UNBROKEN_RUN_DIR.
+        "generator": lambda: _cli(work / "generator", 1, PY, str(BROKEN), "--bug", "generator"),
+        **{
+            bug: (lambda bug=bug: _lib(work / bug, 1, str(BROKEN), "--bug", bug))
+            for bug in ("scheduler", "loader", "dropout", "none")
+        },
+    }
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+# ---- exact scripts pass ---------------------------------------------------------------------
+
+
+def test_toy_script_passes_via_cli_json(verified: dict[str, Any]) -> None:
+    code, report = verified["toy"]
+    assert code == 0, report
+    assert report["passed"] is True and report["first_difference"] is None
+    assert report["checkpoints_compared"] == [4, 8, 12, 16]
+    assert report["metrics_compared"] == 16
+    kills = report["interruptions"]
+    assert len(kills) == 3 and report["launches"] == 4
+    assert {k["signal"] for k in kills} == {"SIGKILL", "SIGTERM"}
+    # The fault point: one SIGKILL landed while a save was being written.
+    saves = [k for k in kills if k["moment"].startswith("save of step")]
+    assert len(saves) == 1 and saves[0]["during_save"] and saves[0]["exit_code"] == -9
+    assert all(r > 0 for r in report["resumed_from"])
+
+
+def test_char_lm_passes(verified: dict[str, Any]) -> None:
+    report: VerifyReport = verified["char_lm"]
+    assert report.passed, report.summary()
+    assert report.checkpoints_compared == [4, 8, 12] and report.metrics_compared == 12
+    assert len(report.interruptions) == 2 and report.launches == 3
+    assert report.work_dir is None  # the temp dir is removed after a pass
+    assert "PASS" in report.summary()
+
+
+def test_the_bug_free_variant_passes(verified: dict[str, Any]) -> None:
+    report: VerifyReport = verified["none"]
+    assert report.passed, report.summary()
+    assert report.resumed_from and report.resumed_from[0] > 0
+    assert any("UNBROKEN_RUN_DIR" in n for n in report.notes)
+
+
+# ---- each bug is caught and named -----------------------------------------------------------
+
+
+def test_untracked_generator_is_caught_via_cli(verified: dict[str, Any]) -> None:
+    code, report = verified["generator"]
+    assert code == 1
+    assert report["passed"] is False
+    first = report["first_difference"]
+    assert first["component"] in ("model", "optimizer") and first["kind"] == "tensor"
+    assert first["step"] > report["resumed_from"][0]
+    assert "generator" in report["hints"][0]
+    assert report["first_metric_difference"]["key"] == "loss"
+    assert os.path.isdir(os.path.join(report["work_dir"], "interrupted"))  # kept on failure
+
+
+def test_untracked_scheduler_is_caught(verified: dict[str, Any]) -> None:
+    report: VerifyReport = verified["scheduler"]
+    assert not report.passed
+    assert report.first_difference is not None
+    assert report.first_difference.where == "optimizer.param_groups.0.lr"
+    assert report.first_metric_difference is not None
+    assert report.first_metric_difference.key == "lr"
+    assert report.hints[0] == LR
+    assert "optimizer.param_groups.0.lr first differs at step" in report.summary()
+
+
+def test_non_resumable_loader_is_caught(verified: dict[str, Any]) -> None:
+    report: VerifyReport = verified["loader"]
+    assert not report.passed
+    assert report.first_metric_difference is not None
+    assert report.first_metric_difference.key == "loss"
+    assert {d.component for d in report.differences} >= {"model", "optimizer"}
+    assert report.hints[0] == LOADER
+
+
+def test_untracked_dropout_generator_is_caught(verified: dict[str, Any]) -> None:
+    report: VerifyReport = verified["dropout"]
+    assert not report.passed
+    assert report.first_difference is not None
+    assert report.first_difference.component == "model"
+    assert "generator" in report.hints[0] and "dropout" in report.hints[0]
+    assert not any("not resumable" in h for h in report.hints)  # its loader is tracked
+
+
+# ---- compare_runs on existing run directories -----------------------------------------------
+
+
+def test_compare_runs_on_kept_dirs(verified: dict[str, Any]) -> None:
+    report: VerifyReport = verified["dropout"]
+    assert report.work_dir is not None
+    ref, other = (os.path.join(report.work_dir, n) for n in ("reference", "interrupted"))
+    cmp = compare_runs(ref, other)
+    assert cmp.first_difference == report.first_difference
+    assert compare_runs(ref, ref).passed
+    # Only the weights, their momentum and the losses differ: leaving them out passes ...
+    assert compare_runs(ref, other, ignore=("model", "optimizer", "metrics.loss")).passed
+    # ... and so does a tolerance wider than the differences.
+    assert compare_runs(ref, other, atol=10.0).passed
+    with pytest.raises(VerifyError):
+        compare_runs(ref, os.path.join(report.work_dir, "no-such-run"))
+
+
+class Box:
+    """A component holding one tensor and one float."""
+
+    def __init__(self, t: torch.Tensor, x: float) -> None:
+        self.t, self.x = t, x
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"t": self.t, "x": self.x}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.t, self.x = sd["t"], sd["x"]
+
+
+def _run_dir(path: Path, t: torch.Tensor, x: float = 0.5) -> Path:
+    reg = Registry()
+    reg.add("box", Box(t, x))
+    CheckpointStore(str(path)).save(3, reg.collect(), {})
+    return path
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "equal"),
+    [
+        pytest.param([0.0, 1.0], [0.0, 1.0], True, id="same"),
+        pytest.param([float("nan")], [float("nan")], True, id="same-nan"),
+        pytest.param([0.0], [-0.0], False, id="sign-of-zero"),
+        pytest.param([1.0], [1.0 + 2**-20], False, id="last-bits"),
+    ],
+)
+def test_tensors_compare_bitwise(tmp_path: Path, a: list, b: list, equal: bool) -> None:
+    ra = _run_dir(tmp_path / "a", torch.tensor(a))
+    rb = _run_dir(tmp_path / "b", torch.tensor(b))
+    cmp = compare_runs(ra, rb)
+    assert cmp.steps == [3]
+    assert cmp.passed is equal
+    if not equal:
+        assert cmp.first_difference == cmp.differences[0]
+        assert cmp.differences[0].where == "box.t" and cmp.differences[0].step == 3
+        assert compare_runs(ra, rb, atol=1e-5).passed  # within tolerance
+
+
+def test_json_state_and_dtype_are_compared(tmp_path: Path) -> None:
+    ra = _run_dir(tmp_path / "a", torch.zeros(2), x=0.5)
+    rb = _run_dir(tmp_path / "b", torch.zeros(2), x=0.25)
+    rc = _run_dir(tmp_path / "c", torch.zeros(2, dtype=torch.float64), x=0.5)
+    d = compare_runs(ra, rb).first_difference
+    assert d is not None and (d.where, d.kind, d.reference, d.other) == (
+        "box.x",
+        "state",
+        "0.5",
+        "0.25",
+    )
+    d = compare_runs(ra, rc).first_difference
+    assert d is not None and d.where == "box.t" and "float64" in d.other
+    assert compare_runs(ra, rb, ignore=("box.x",)).passed
+
+
+# ---- unusable input is refused --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cmd", "kwargs"),
+    [
+        pytest.param("python train.py", {}, id="a-string"),
+        pytest.param([], {}, id="empty"),
+        pytest.param(["python", 3], {}, id="not-strings"),
+        pytest.param(["no-such-executable-xyz"], {}, id="not-found"),
+        pytest.param([PY, "t.py"], {"interrupts": -1}, id="negative-interrupts"),
+        pytest.param([PY, "t.py"], {"atol": float("nan")}, id="nan-atol"),
+    ],
+)
+def test_bad_input_raises_config_error(cmd: Any, kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        verify_resume(cmd, **kwargs)
+
+
+def test_failing_script_raises_with_its_exit_code(tmp_path: Path) -> None:
+    with pytest.raises(ScriptFailedError, match="exited 3") as e:
+        verify_resume([PY, "-c", "import sys; print('boom'); sys.exit(3)"], work_dir=tmp_path)
+    assert e.value.returncode == 3 and "boom" in e.value.log
+
+
+def test_script_without_checkpoints_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(VerifyError, match="wrote no checkpoint"):
+        verify_resume([PY, "-c", "pass"], work_dir=tmp_path)
+
+
+def test_foreign_work_dir_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "reference").mkdir()
+    with pytest.raises(ConfigError, match="not made by unbroken verify"):
+        verify_resume([PY, "-c", "pass"], work_dir=tmp_path)
+
+
+def test_cli_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify"]) == 2
+    assert main(["verify", "--json", "--", "no-such-executable-xyz"]) == 2
+    out = capsys.readouterr().out
+    assert json.loads(out)["passed"] is False
+
+
+# ---- the plan, the hints, the keep-all override ---------------------------------------------
+
+
+def test_plan_is_seeded_sorted_and_kills_one_save() -> None:
+    saves = [4, 8, 12, 16]
+    plan = plan_interrupts(3, 0, 16, saves)
+    assert plan == plan_interrupts(3, 0, 16, saves)
+    assert plan != plan_interrupts(3, 1, 16, saves) or plan != plan_interrupts(3, 2, 16, saves)
+    assert [t.step for t in plan] == sorted(t.step for t in plan)
+    assert len(plan) == 3 and all(t.step > 4 for t in plan)  # after the first checkpoint
+    (save,) = [t for t in plan if t.kind == "save"]
+    assert save.step in saves and save.signal == "KILL"
+    assert [t.signal for t in plan if t.kind == "step"] == ["KILL", "TERM"]
+    assert [t.kind for t in plan_interrupts(1, 0, 16, saves)] == ["step"]
+    assert len(plan_interrupts(10, 0, 4, [4])) == 3  # at most one per step before the last
+    assert plan_interrupts(0, 0, 16, saves) == [] and plan_interrupts(3, 0, 1, [1]) == []
+
+
+def _cmp(*diffs: Difference, kinds: dict[str, str] | None = None) -> Comparison:
+    return Comparison([4, 8], 8, list(diffs), kinds or {"model": "module", "loader": "loader"})
+
+
+def test_hints() -> None:
+    early = Difference(4, "rng", "python.1.0", "state", "1", "2")
+    hints = hints_for(_cmp(early), resumed_from=[8])
+    assert hints[:2] == [NONDET.format(resume=8), UNSEEDED_GLOBAL]
+    metric = Difference(6, "metrics", "throughput", "metric", "1.0", "2.0")
+    assert hints_for(_cmp(metric), resumed_from=[4]) == [METRICS_ONLY]
+    lr = Difference(8, "optimizer", "param_groups.0.lr", "state", "0.1", "0.2")
+    assert hints_for(_cmp(lr, kinds={"model": "module"}), resumed_from=[4])[:2] == [LOADER, LR]
+    assert hints_for(_cmp(), resumed_from=[4]) == []
+
+
+def test_keep_all_env_overrides_keep_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert RunConfig(keep_last=2).keep_last == 2
+    monkeypatch.setenv("UNBROKEN_KEEP_ALL", "1")
+    assert RunConfig(keep_last=2).keep_last is None
+    monkeypatch.setenv("UNBROKEN_KEEP_ALL", "0")
+    assert RunConfig(keep_last=2).keep_last == 2

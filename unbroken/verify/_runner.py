@@ -1,0 +1,474 @@
+"""Run a training command twice -- straight through, then interrupted K times and relaunched --
+and compare the two runs.
+
+The command learns its run directory from ``{run_dir}`` in its arguments (replaced in each
+argument) or from the environment variable ``UNBROKEN_RUN_DIR``; ``UNBROKEN_KEEP_ALL=1`` makes
+its ``Run`` keep every checkpoint, so both runs can be compared at every save step.
+
+Each launch is its own process group, so a signal reaches the DataLoader workers too, as a
+cluster's preemption would. Moments are watched from outside: a step target fires when
+``RUN/metrics.jsonl`` logs that step; a save target fires (SIGKILL) as soon as the save's
+``checkpoints/.tmp-step-N`` directory appears.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from .._errors import ConfigError
+from .._exit import EXIT_OK, EXIT_RESUMABLE
+from ..store import _layout
+from ._compare import compare_runs
+from ._errors import ScriptFailedError, VerifyError
+from ._report import Interruption, VerifyReport, hints_for
+
+PLACEHOLDER = "{run_dir}"
+ENV_RUN_DIR = "UNBROKEN_RUN_DIR"
+ENV_KEEP_ALL = "UNBROKEN_KEEP_ALL"
+MARKER = ".unbroken-verify"
+_POLL = 0.002  # seconds between looks at the metrics log
+_SPIN = 0.0005  # while waiting for a save to start: short, so a save of a millisecond is seen
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One planned interruption: a signal at a logged step, or SIGKILL inside a save."""
+
+    kind: str  # "step" | "save"
+    step: int
+    signal: str  # "KILL" | "TERM"
+
+    @property
+    def moment(self) -> str:
+        return f"step {self.step}" if self.kind == "step" else f"save of step {self.step}"
+
+
+def plan_interrupts(k: int, seed: int, total: int, save_steps: Sequence[int]) -> list[Target]:
+    """K moments drawn from ``seed``, in step order; with K >= 2 one is a SIGKILL inside a save.
+
+    Moments come after the first checkpoint when there is room (an earlier kill only restarts
+    from scratch); step targets alternate SIGKILL, SIGTERM, ...
+    """
+    if k <= 0 or total < 2:
+        return []
+    rng = random.Random(seed)
+    first = min(save_steps) if save_steps else 0
+    lo = first + 1 if total - 1 - first >= k else 1
+    save_target = None
+    if k >= 2 and save_steps:
+        later = [s for s in save_steps if s > first]
+        save_target = rng.choice(later or list(save_steps))
+    n_steps = k - (save_target is not None)
+    pool = [t for t in range(lo, total) if t != save_target]
+    if save_target is not None:
+        # A signal just before the save target would carry the run past it before it starts.
+        spaced = [t for t in pool if not save_target - 2 <= t <= save_target]
+        pool = spaced if len(spaced) >= n_steps else pool
+    n_steps = min(n_steps, len(pool))
+    steps = sorted(rng.sample(pool, n_steps))
+    plan = [Target("step", t, "KILL" if i % 2 == 0 else "TERM") for i, t in enumerate(steps)]
+    if save_target is not None:
+        plan.append(Target("save", save_target, "KILL"))
+    return sorted(plan, key=lambda t: t.step)
+
+
+def verify_resume(
+    cmd: Sequence[str],
+    *,
+    interrupts: int = 3,
+    seed: int = 0,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    work_dir: str | os.PathLike[str] | None = None,
+    timeout: float | None = None,
+    ignore: Sequence[str] = (),
+    keep: bool = False,
+    progress: Progress | None = None,
+) -> VerifyReport:
+    """Check that ``cmd``, interrupted and relaunched, ends exactly like an uninterrupted run.
+
+    Runs ``cmd`` to completion in a fresh run directory, then again while interrupting it
+    ``interrupts`` times (SIGKILL, SIGTERM, and with 2 or more one SIGKILL during a save; the
+    moments are drawn from ``seed``), relaunching until it exits 0, and compares every tracked
+    tensor and value at every checkpoint step both runs hold, and the per-step metrics log.
+    A difference is not an error: it is in the returned report. Raises ConfigError for a
+    bad argument and VerifyError when the command fails, times out or writes no checkpoint::
+
+        report = unbroken.verify_resume(["python", "train.py", "--run-dir", "{run_dir}"])
+        assert report.passed, report.summary()
+
+    ``timeout`` bounds both runs together (seconds). ``work_dir`` keeps the run directories
+    there (``reference/``, ``interrupted/``, with the logs of every launch); by default a
+    temporary directory, removed when the check passes unless ``keep``.
+    """
+    argv = _check_command(cmd)
+    _check_options(interrupts, atol, rtol, timeout)
+    work, owned = _prepare_work(work_dir)
+    say = progress or (lambda _msg: None)
+    s = _Session(argv, work, None if timeout is None else time.monotonic() + timeout, say)
+    notes = []
+    if not any(PLACEHOLDER in a for a in argv):
+        notes.append(
+            f"no {PLACEHOLDER} in the command: it was told the run directory by the "
+            f"environment variable {ENV_RUN_DIR}"
+        )
+    t0 = time.perf_counter()
+    ref_dir = os.path.join(work, "reference")
+    total, save_steps = s.reference(ref_dir)
+    t1 = time.perf_counter()
+    plan = plan_interrupts(interrupts, seed, total, save_steps)
+    if interrupts > len(plan):
+        notes.append(f"{interrupts} interruptions asked for, {len(plan)} fit in {total} steps")
+    say("plan: " + (", ".join(f"SIG{t.signal} at {t.moment}" for t in plan) or "no interruption"))
+    other_dir = os.path.join(work, "interrupted")
+    outcome = s.interrupted(other_dir, plan, total, save_steps)
+    t2 = time.perf_counter()
+    say(f"comparing the runs in {work}")
+    cmp = compare_runs(ref_dir, other_dir, atol=atol, rtol=rtol, ignore=ignore)
+    report = VerifyReport(
+        passed=cmp.passed,
+        command=list(argv),
+        seed=seed,
+        reference_steps=total,
+        checkpoints_compared=cmp.steps,
+        metrics_compared=cmp.metrics_steps,
+        interruptions=outcome.interruptions,
+        launches=outcome.launches,
+        resumed_from=outcome.resumed_from,
+        differences=cmp.differences,
+        hints=hints_for(cmp, outcome.resumed_from),
+        work_dir=work,
+        notes=notes + outcome.notes,
+    )
+    report.seconds = {
+        "reference": t1 - t0,
+        "interrupted": t2 - t1,
+        "compare": time.perf_counter() - t2,
+    }
+    if report.passed and owned and not keep:
+        shutil.rmtree(work, ignore_errors=True)
+        report.work_dir = None
+    return report
+
+
+def _check_command(cmd: Any) -> list[str]:
+    if isinstance(cmd, (str, bytes)) or not isinstance(cmd, Sequence):
+        raise ConfigError(
+            f"cmd must be a list of arguments (e.g. shlex.split(...)), got {type(cmd).__name__}"
+        )
+    argv = list(cmd)
+    if not argv:
+        raise ConfigError("cmd is empty: give the training command, e.g. ['python', 'train.py']")
+    bad = [a for a in argv if not isinstance(a, str)]
+    if bad:
+        raise ConfigError(f"cmd must hold strings only, got {bad[0]!r}")
+    exe = argv[0]
+    if not (shutil.which(exe) or (os.sep in exe and os.path.isfile(exe))):
+        raise ConfigError(f"cmd: {exe!r} is not an executable found on PATH")
+    return argv
+
+
+def _check_options(interrupts: Any, atol: float, rtol: float, timeout: float | None) -> None:
+    if not isinstance(interrupts, int) or isinstance(interrupts, bool) or interrupts < 0:
+        raise ConfigError(f"interrupts must be an integer >= 0, got {interrupts!r}")
+    for name, v in (("atol", atol), ("rtol", rtol)):
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            raise ConfigError(f"{name} must be a finite number >= 0, got {v!r}")
+    if timeout is not None and not timeout > 0:
+        raise ConfigError(f"timeout must be > 0 seconds or None, got {timeout!r}")
+
+
+def _prepare_work(work_dir: str | os.PathLike[str] | None) -> tuple[str, bool]:
+    """(directory, created here). A given directory may be reused only if verify made it."""
+    if work_dir is None:
+        work = tempfile.mkdtemp(prefix="unbroken-verify-")
+        open(os.path.join(work, MARKER), "w").close()
+        return work, True
+    work = os.path.abspath(os.fspath(work_dir))
+    os.makedirs(work, exist_ok=True)
+    subdirs = [os.path.join(work, n) for n in ("reference", "interrupted")]
+    if any(os.path.lexists(p) for p in subdirs):
+        if not os.path.exists(os.path.join(work, MARKER)):
+            raise ConfigError(
+                f"work_dir {work} holds reference/ or interrupted/ not made by unbroken verify; "
+                "choose an empty directory"
+            )
+        for p in subdirs:
+            shutil.rmtree(p, ignore_errors=True)
+    open(os.path.join(work, MARKER), "w").close()
+    return work, False
+
+
+@dataclass(slots=True)
+class _Outcome:
+    interruptions: list[Interruption] = field(default_factory=list)
+    launches: int = 0
+    resumed_from: list[int] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+class _Session:
+    def __init__(self, argv: list[str], work: str, deadline: float | None, say: Progress):
+        self.argv, self.work, self.deadline, self.say = argv, work, deadline, say
+
+    # ---- the two runs -------------------------------------------------------------------------
+
+    def reference(self, run_dir: str) -> tuple[int, list[int]]:
+        self.say(f"reference run (uninterrupted) in {run_dir}")
+        t0 = time.perf_counter()
+        proc, log = self._start(run_dir, "reference", 1)
+        code = self._finish(proc, log)
+        if code == EXIT_RESUMABLE:
+            raise VerifyError(
+                f"the reference run exited {EXIT_RESUMABLE} (saved and stopped) without being "
+                "interrupted -- a time limit? verify needs a run that completes in one launch; "
+                f"log: {log.name}"
+            )
+        if code != EXIT_OK:
+            self._fail("the reference run", code, log.name)
+        save_steps = sorted(s for s, _ in _layout.scan(run_dir))
+        if not save_steps:
+            raise VerifyError(
+                f"the command wrote no checkpoint into {run_dir}: give it the run directory "
+                f"with {PLACEHOLDER} in its arguments or read os.environ[{ENV_RUN_DIR!r}], and "
+                f"pass that to unbroken.Run; log: {log.name}"
+            )
+        total = max(_last_step(run_dir), save_steps[-1])
+        steps = ", ".join(map(str, save_steps))
+        took = time.perf_counter() - t0
+        self.say(f"reference: {total} steps, checkpoints at {steps} ({took:.1f} s)")
+        return total, save_steps
+
+    def interrupted(
+        self, run_dir: str, plan: list[Target], total: int, save_steps: list[int]
+    ) -> _Outcome:
+        self.say(f"interrupted run in {run_dir}")
+        out = _Outcome()
+        pending = list(plan)
+        last_seen, stalls = 0, 0
+        while True:
+            target = _next_target(pending, last_seen, total, save_steps, out.notes)
+            out.launches += 1
+            if out.launches > len(plan) + 10:
+                raise VerifyError(
+                    f"the interrupted run did not complete after {out.launches - 1} launches; "
+                    f"log: {os.path.join(self.work, 'interrupted.log')}"
+                )
+            if out.launches > 1:
+                out.resumed_from.append(_latest_committed(run_dir))
+            proc, log = self._start(run_dir, "interrupted", out.launches)
+            try:
+                fired = self._watch(proc, run_dir, target) if target is not None else False
+                code = self._finish(proc, log)
+            finally:
+                _reap(proc)
+            at = _last_step(run_dir)
+            leftover = _leftover_save(run_dir)
+            label = f"launch {out.launches}: "
+            if fired and target is not None:
+                pending.remove(target)
+                during = leftover is not None
+                sig = "SIG" + target.signal
+                out.interruptions.append(
+                    Interruption(out.launches, sig, target.moment, at, code, during)
+                )
+                label += f"SIG{target.signal} at {target.moment}, "
+            self.say(label + _exit_text(code, at, leftover))
+            if code == EXIT_OK:
+                break
+            killed = code in (-signal.SIGKILL, -signal.SIGTERM) and fired
+            if code == EXIT_RESUMABLE or killed or code == -signal.SIGKILL:
+                stalls = stalls + 1 if not fired and at <= last_seen else 0
+                if stalls > 2:
+                    raise VerifyError(f"the interrupted run keeps stopping at step {at}")
+                last_seen = max(last_seen, at)
+                continue
+            self._fail(f"launch {out.launches} of the interrupted run", code, log.name)
+        if pending:
+            out.notes.append(
+                f"{len(pending)} planned interruption(s) not made: the run completed first"
+            )
+        return out
+
+    # ---- processes ----------------------------------------------------------------------------
+
+    def _start(self, run_dir: str, name: str, launch: int) -> tuple[subprocess.Popen[bytes], IO]:
+        argv = [a.replace(PLACEHOLDER, run_dir) for a in self.argv]
+        env = {**os.environ, ENV_RUN_DIR: run_dir, ENV_KEEP_ALL: "1"}
+        log = open(os.path.join(self.work, f"{name}.log"), "ab")
+        log.write(f"=== launch {launch}: {' '.join(argv)}\n".encode())
+        log.flush()
+        try:
+            proc = subprocess.Popen(
+                argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        except OSError as e:
+            log.close()
+            raise VerifyError(f"could not start {argv[0]!r}: {e}") from e
+        return proc, log
+
+    def _remaining(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def _finish(self, proc: subprocess.Popen[bytes], log: IO) -> int:
+        try:
+            left = self._remaining()
+            return proc.wait(timeout=None if left is None else max(left, 0.01))
+        except subprocess.TimeoutExpired:
+            _reap(proc)
+            raise VerifyError(f"timed out; the command was killed; log: {log.name}") from None
+        finally:
+            log.close()
+
+    def _watch(self, proc: subprocess.Popen[bytes], run_dir: str, target: Target) -> bool:
+        """Wait for the target moment and signal the process group; False if it exited first."""
+        probe = _StepProbe(run_dir)
+        root = _layout.checkpoints_dir(run_dir)
+        tmp = os.path.join(root, _layout.tmp_name(target.step))
+        final = os.path.join(root, _layout.step_name(target.step))
+        while proc.poll() is None:
+            left = self._remaining()
+            if left is not None and left <= 0:
+                return False  # _finish reports the timeout
+            if target.kind == "save":
+                hit = os.path.isdir(tmp) or os.path.isdir(final)
+            else:
+                hit = probe.last() >= target.step
+            if hit:
+                try:
+                    os.killpg(proc.pid, getattr(signal, "SIG" + target.signal))
+                except ProcessLookupError:
+                    return False
+                return True
+            time.sleep(_SPIN if target.kind == "save" else _POLL)
+        return False
+
+    def _fail(self, what: str, code: int, log_path: str) -> None:
+        tail = _tail(log_path)
+        how = f"was killed by signal {-code}" if code < 0 else f"exited {code}"
+        raise ScriptFailedError(
+            f"{what} {how} (0 = complete, {EXIT_RESUMABLE} = resumable); log: {log_path}\n"
+            f"--- last lines ---\n{tail}",
+            code,
+            tail,
+        )
+
+
+def _next_target(
+    pending: list[Target], last_seen: int, total: int, save_steps: list[int], notes: list[str]
+) -> Target | None:
+    """The next planned moment still ahead of the run (a passed one moves to the next fit)."""
+    while pending:
+        t = pending[0]
+        if t.step > last_seen:
+            return t
+        moved: Target | None = None
+        if t.kind == "step" and last_seen + 1 < total:
+            moved = Target("step", last_seen + 1, t.signal)
+        else:
+            later = [s for s in save_steps if s > last_seen]
+            moved = Target("save", later[0], t.signal) if t.kind == "save" and later else None
+        pending.pop(0)
+        if moved is None:
+            notes.append(f"SIG{t.signal} at {t.moment} dropped: the run was already past it")
+            continue
+        pending.insert(0, moved)
+        return moved
+    return None
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def _exit_text(code: int, at: int, leftover: int | None) -> str:
+    if code == EXIT_OK:
+        return f"completed ({at} steps)"
+    if code == EXIT_RESUMABLE:
+        return f"saved and stopped at step {at} (exit 75)"
+    name = signal.Signals(-code).name if code < 0 and -code in signal.valid_signals() else code
+    text = f"killed ({name}) after step {at}"
+    if leftover is not None:
+        text += f", during the save of step {leftover}"
+    return text
+
+
+def _latest_committed(run_dir: str) -> int:
+    found = _layout.scan(run_dir)
+    return found[0][0] if found else 0
+
+
+def _leftover_save(run_dir: str) -> int | None:
+    """The step of a save a killed process left half-written, if any."""
+    try:
+        names = os.listdir(_layout.checkpoints_dir(run_dir))
+    except FileNotFoundError:
+        return None
+    steps = [t[1] for t in map(_layout.transient, names) if t is not None and t[0] == "tmp"]
+    return max(steps) if steps else None
+
+
+def _tail(path: str, size: int = 3000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - size))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class _StepProbe:
+    """The last step logged in ``RUN/metrics.jsonl``, re-read only when the file changed."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self._size = -1
+        self._last = 0
+
+    def last(self) -> int:
+        try:
+            size = os.path.getsize(self.path)
+        except OSError:
+            # No metrics log (Run(metrics=False)): the newest checkpoint is the best we see.
+            return _latest_committed(os.path.dirname(self.path))
+        if size != self._size:
+            self._size = size
+            self._last = _last_step(os.path.dirname(self.path))
+        return self._last
+
+
+def _last_step(run_dir: str) -> int:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - 8192))
+            lines = f.read().splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        if isinstance(rec, dict) and "event" not in rec and isinstance(rec.get("step"), int):
+            return int(rec["step"])
+    return 0
