@@ -85,7 +85,7 @@ def naive_resume(n: int, batch_size: int, workers: int, position: int) -> Callab
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=2 * 10**6)
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     a = p.parse_args()
@@ -108,7 +108,9 @@ def main() -> None:
 
     print(f"resume to the first batch: n={a.n}, batch {a.batch_size}, {a.repeats} repeats, medians")
     print()
-    header = "| loader | workers | " + " | ".join(f"@{p:.0e}".replace("e+0", "e") for p in POSITIONS)
+    header = "| loader | workers | " + " | ".join(
+        f"@{p:.0e}".replace("e+0", "e") for p in POSITIONS
+    )
     print(header + " | @1e6 / @10 |")
     print("|" + " --- |" * (len(POSITIONS) + 3))
     for kind in ("unbroken", "naive"):
@@ -127,13 +129,14 @@ def main() -> None:
         "batch_size": a.batch_size,
         "repeats": a.repeats,
         "median_ms": {
-            f"{kind}_w{w}_at_{pos}": round(med[(kind, w, pos)] * 1e3, 2)
-            for kind, w, pos in keys
+            f"{kind}_w{w}_at_{pos}": round(med[(kind, w, pos)] * 1e3, 2) for kind, w, pos in keys
         },
         "unbroken_ratio_1e6_over_10": {f"w{w}": ratio("unbroken", w) for w in a.workers},
         "naive_ratio_1e6_over_10": {f"w{w}": ratio("naive", w) for w in a.workers},
         "naive_over_unbroken_at_1e6": {
-            f"w{w}": round(med[("naive", w, POSITIONS[-1])] / med[("unbroken", w, POSITIONS[-1])], 1)
+            f"w{w}": round(
+                med[("naive", w, POSITIONS[-1])] / med[("unbroken", w, POSITIONS[-1])], 1
+            )
             for w in a.workers
         },
         "target_ratio": 1.1,

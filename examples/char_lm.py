@@ -1,6 +1,7 @@
 """A character-level transformer on Milton's *Paradise Lost*, resumable bit for bit.
 
     python examples/char_lm.py --run-dir runs/char_lm [--steps N] [--save-every K]
+    torchrun --nproc_per_node 2 examples/char_lm.py --run-dir runs/char_lm   # DDP, same contract
 
 Stop it any way you like (Ctrl-C, ``kill``, ``kill -9``, a cluster's preemption) and run the same
 command again: it continues from the last checkpoint and ends exactly where an uninterrupted run
@@ -104,9 +105,11 @@ def main() -> int:
     p.add_argument("--no-amp", action="store_true", help="disable bf16 autocast + GradScaler")
     a = p.parse_args()
 
+    rank, world = unbroken.init_distributed()  # unbroken: torchrun / srun; a no-op otherwise
     unbroken.seed_everything(a.seed)  # unbroken (or torch.manual_seed: model init must be seeded)
     data = Crops(CORPUS.read_text(encoding="utf-8"), a.context, stride=a.context // 2)
     model = CharLM(len(data.chars), a.context)
+    net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_at(s, a.steps, a.lr, warmup=a.steps // 10) / a.lr
@@ -114,12 +117,12 @@ def main() -> int:
     amp = not a.no_amp
     scaler = torch.amp.GradScaler("cpu", enabled=amp)
     ema = unbroken.EMA(model, decay=0.99)  # unbroken
-    loader = unbroken.DataLoader(  # unbroken: a drop-in for torch's DataLoader
+    loader = unbroken.DataLoader(  # unbroken: a drop-in for torch's DataLoader; batch_size is
         data, batch_size=a.batch_size, shuffle=True, seed=a.seed, num_workers=a.workers
-    )
+    )  # the global batch: each of the ranks gets its slice
     run = unbroken.Run(  # unbroken: resumes here if RUN has a checkpoint
         a.run_dir,
-        model=model,
+        model=net,
         optimizer=opt,
         scheduler=sched,
         scaler=scaler,
@@ -128,13 +131,13 @@ def main() -> int:
         save_every=a.save_every,
         max_steps=a.steps,
     )
-    if run.resumed_from is not None:
+    if run.resumed_from is not None and rank == 0:
         print(f"resumed from step {run.resumed_from}", flush=True)
 
     model.train()
     for x, y in run.loop(loader):  # unbroken: batches across epochs until max_steps
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-            logits = model(x)
+            logits = net(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
@@ -145,10 +148,12 @@ def main() -> int:
         lr = sched.get_last_lr()[0]
         sched.step()
         ema.update()
-        run.step(  # unbroken: logs, saves, and exits 75 on SIGTERM/SIGINT/SIGUSR1
-            loss=loss.item(), lr=lr, batch_size=len(x), samples=loader.last_indices
+        run.step(  # unbroken: logs (loss averaged over ranks), saves, exits 75 on SIGTERM
+            loss=loss, lr=lr, batch_size=len(loader.last_indices), samples=loader.last_indices
         )
 
+    if rank != 0:
+        return 0
     weights = {f"model.{k}": v for k, v in model.state_dict().items()}
     weights |= {f"ema.{k}": v for k, v in ema.shadow.items()}
     save_file(

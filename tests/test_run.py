@@ -475,15 +475,19 @@ def _train_with_streams(run_dir: Path, save_every: int | None) -> tuple[list[Any
         progress=False,
     )
     out: list[Any] = []
-    for (x,) in run.loop(loader, epochs=2):
-        noise = torch.randn(x.shape, generator=gen) + torch.from_numpy(npgen.normal(size=x.shape))
-        loss = model(x + noise.float()).pow(2).mean() * (1 + random.random())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        run.step(loss=loss)
-        out.append([loss.item(), *_draw(gen, npgen)])
-    run.close()
+    try:
+        for (x,) in run.loop(loader, epochs=2):
+            noise = torch.randn(x.shape, generator=gen) + torch.from_numpy(
+                npgen.normal(size=x.shape)
+            )
+            loss = model(x + noise.float()).pow(2).mean() * (1 + random.random())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            run.step(loss=loss)
+            out.append([loss.item(), *_draw(gen, npgen)])
+    finally:
+        run.close()
     return out, [p.detach().clone() for p in model.parameters()]
 
 
@@ -531,8 +535,8 @@ def test_metrics_log_one_record_per_step_across_abandoned_runs(tmp_path, runs):
 # ---- 6. progress bar --------------------------------------------------------------------------
 
 
-def test_progress_bar_shows_steps_and_next_save(tmp_path, capsys):
-    run = Run(tmp_path / "run", **_net(), progress=True, save_every=4, max_steps=10)
+def test_progress_bar_shows_steps_and_next_save(tmp_path, capsys, runs):
+    run = runs(tmp_path / "run", **_net(), progress=True, save_every=4, max_steps=10)
     for _ in range(10):
         run.step(loss=0.5)
     run.finish()
@@ -543,8 +547,8 @@ def test_progress_bar_shows_steps_and_next_save(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("progress", [False, None], ids=["off", "default-not-a-tty"])
-def test_no_progress_output_when_off(tmp_path, capsys, progress):
-    run = Run(tmp_path / "run", **_net(), progress=progress, save_every=4, max_steps=10)
+def test_no_progress_output_when_off(tmp_path, capsys, runs, progress):
+    run = runs(tmp_path / "run", **_net(), progress=progress, save_every=4, max_steps=10)
     for _ in range(10):
         run.step(loss=0.5)
     run.finish()
@@ -657,18 +661,21 @@ def _scaler_run(run_dir: Path, until: int) -> torch.amp.GradScaler:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
     run = Run(run_dir, model=model, optimizer=opt, scaler=scaler, save_every=4, progress=False)
-    while run.counters.step < until:
-        step = run.counters.step + 1
-        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
-        loss = model(x).pow(2).mean()
-        if step in _INF_STEPS:
-            loss = loss * math.inf  # an overflow: the scaler skips the step and backs off
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        run.step(loss=loss, scale=scaler.get_scale(), tracker=int(scaler._get_growth_tracker()))
-    run.close()
+    try:
+        while run.counters.step < until:
+            step = run.counters.step + 1
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+            loss = model(x).pow(2).mean()
+            if step in _INF_STEPS:
+                loss = loss * math.inf  # an overflow: the scaler skips the step and backs off
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            tracker = int(scaler._get_growth_tracker())
+            run.step(loss=loss, scale=scaler.get_scale(), tracker=tracker)
+    finally:
+        run.close()
     return scaler
 
 

@@ -295,7 +295,13 @@ def test_plan_is_seeded_sorted_and_kills_one_save() -> None:
     assert save.step in saves and save.signal == "KILL"
     assert [t.signal for t in plan if t.kind == "step"] == ["KILL", "TERM"]
     assert [t.kind for t in plan_interrupts(1, 0, 16, saves)] == ["step"]
-    assert len(plan_interrupts(10, 0, 4, [4])) == 3  # at most one per step before the last
+    # At most one per step before the last, plus the final save.
+    assert [t.moment for t in plan_interrupts(10, 0, 4, [4])] == [
+        "step 1",
+        "step 2",
+        "step 3",
+        "save of step 4",
+    ]
     assert plan_interrupts(0, 0, 16, saves) == [] and plan_interrupts(3, 0, 1, [1]) == []
 
 

@@ -72,6 +72,9 @@ class RunConfig:
     """``grow(name, what, old, new_shape)`` remaps state of a reshaped parameter (see docs)."""
     stage: Any = None
     """The stage of the model you built (JSON-able); recorded in every checkpoint."""
+    wrap_model: Callable[[Any], Any] | None = None
+    """``wrap_model(model)`` wraps a new model after a change (default: DDP again if the old one
+    was DDP; FSDP2 users pass a function that calls ``fully_shard``)."""
 
     def __post_init__(self) -> None:
         for name in ("save_every", "keep_last", "keep_every", "max_steps"):

@@ -24,6 +24,7 @@ import torch
 
 from .._errors import ConfigError, StateError
 from ..state import EMA
+from ..state._adapters import unwrap
 from . import _staging
 from ._settings import KNOWN, Settings, Values
 
@@ -39,6 +40,7 @@ class StepContext:
     """Optimizer steps completed before the step that is starting."""
     epoch: int
     model: torch.nn.Module | None
+    """The model, unwrapped from DDP (``run.model`` is the wrapped one, for training)."""
     optimizer: torch.optim.Optimizer | None
     settings: Values
     stage: Any
@@ -135,7 +137,9 @@ class Stepper:
     def _context(self, epoch: int) -> StepContext:
         c = self.run.counters
         values = self.settings.at(c.step, epoch, c.overrides)
-        return StepContext(c.step, epoch, self.model(), self.optimizer(), values, c.stage, self.run)
+        model = self.model()
+        inner = unwrap(model) if model is not None else None
+        return StepContext(c.step, epoch, inner, self.optimizer(), values, c.stage, self.run)
 
     def _apply_values(self, loader: Any) -> None:
         v = self.values
@@ -177,9 +181,11 @@ class Stepper:
     def swap_model(self, new: torch.nn.Module, *, reason: str) -> _staging.Remap:
         """Replace the model; rebuild the optimizer by name, carry and grow state and the EMA."""
         run, cfg = self.run, self.run.config
-        model_name, old = self._first("model", torch.nn.Module)
-        if model_name is None or old is None:
+        model_name, tracked = self._first("model", torch.nn.Module)
+        if model_name is None or tracked is None:
             raise ConfigError("a model change needs a tracked nn.Module component")
+        old = unwrap(tracked)
+        new = unwrap(new)
         remap = _staging.classify(_staging.shapes(old), _staging.shapes(new), cfg.grow)
         opt_name, old_opt = self._first("optimizer", torch.optim.Optimizer)
         if old_opt is not None and opt_name is not None:
@@ -188,9 +194,9 @@ class Stepper:
             self._repoint_schedulers(old_opt, new_opt)
             run.registry.replace(opt_name, new_opt)
         ema = self.ema()
-        if ema is not None and ema.model is old:
+        if ema is not None and unwrap(ema.model) is old:
             _staging.grow_ema(ema, new, cfg.grow)
-        run.registry.replace(model_name, new)
+        run.registry.replace(model_name, _rewrap(tracked, new, cfg.wrap_model))
         run._log_event("model_changed", reason=reason, **remap.summary())
         return remap
 
@@ -204,6 +210,27 @@ class Stepper:
                         "changed in number; use the lr setting instead of a torch scheduler"
                     )
                 sched.optimizer = new
+
+
+def _rewrap(
+    tracked: torch.nn.Module,
+    new: torch.nn.Module,
+    wrap: Callable[[torch.nn.Module], torch.nn.Module] | None,
+) -> torch.nn.Module:
+    """Wrap a new model like the old one was: ``wrap_model`` if given, else DDP like before."""
+    if wrap is not None:
+        return wrap(new)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if isinstance(tracked, DDP):
+        return DDP(
+            new,
+            device_ids=tracked.device_ids,
+            output_device=tracked.output_device,
+            broadcast_buffers=tracked.broadcast_buffers,
+            find_unused_parameters=tracked.find_unused_parameters,
+        )
+    return new
 
 
 def _finished(loader: Any) -> bool:
