@@ -6,8 +6,10 @@ naive:    a fresh ``torch.utils.data.DataLoader`` whose iterator skips ``p // ba
 
 Both are timed from the fresh loader object to the first batch after the resume point, for
 ``num_workers`` 0 and 2, over a dataset of 2*10^6 cheap items (``dataset[i] == i``). Variants
-run interleaved (each repeat runs every variant once, in rotated order) and the table shows
-medians. The last line is one JSON object. Run: ``.venv/bin/python bench/bench_data_resume.py``.
+run interleaved (each repeat runs every variant once, in rotated order), 7 repeats by
+default, and the table shows medians. The last line is one JSON object.
+
+Run: ``.venv/bin/python bench/bench_data_resume.py`` (about a minute on two idle cores).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
@@ -86,7 +89,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=2 * 10**6)
     p.add_argument("--batch-size", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     a = p.parse_args()
 
@@ -105,13 +108,17 @@ def main() -> None:
         for key in keys[shift:] + keys[:shift]:
             times[key].append(variants[key]())
     med = {k: statistics.median(v) for k, v in times.items()}
+    load = round(os.getloadavg()[0], 2)  # other work on the machine inflates absolute figures
 
-    print(f"resume to the first batch: n={a.n}, batch {a.batch_size}, {a.repeats} repeats, medians")
+    print(
+        f"resume to the first batch: n={a.n}, batch {a.batch_size}, {a.repeats} repeats, "
+        f"medians; load average {load} on {os.cpu_count()} CPUs"
+    )
     print()
     header = "| loader | workers | " + " | ".join(
         f"@{p:.0e}".replace("e+0", "e") for p in POSITIONS
     )
-    print(header + " | @1e6 / @10 |")
+    print(header + " | @1e6 / @1e1 |")
     print("|" + " --- |" * (len(POSITIONS) + 3))
     for kind in ("unbroken", "naive"):
         for workers in a.workers:
@@ -128,6 +135,8 @@ def main() -> None:
         "n": a.n,
         "batch_size": a.batch_size,
         "repeats": a.repeats,
+        "load_average": load,
+        "cpus": os.cpu_count(),
         "median_ms": {
             f"{kind}_w{w}_at_{pos}": round(med[(kind, w, pos)] * 1e3, 2) for kind, w, pos in keys
         },

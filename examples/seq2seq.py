@@ -24,6 +24,7 @@ import json
 import math
 import os
 import signal
+import warnings
 from pathlib import Path
 
 import torch
@@ -98,14 +99,25 @@ class Translator(nn.Module):
         return self.head(h)
 
     @torch.no_grad()
-    def translate(self, src: list[int], max_len: int = 120) -> list[int]:
-        out = [BOS]
-        for _ in range(max_len):
-            logits = self(torch.tensor([src + [EOS]]), torch.tensor([out]))
-            nxt = int(logits[0, -1].argmax())
-            if nxt == EOS:
-                break
-            out.append(nxt)
+    def translate(self, src: list[int], max_len: int = 80) -> list[int]:
+        """Greedy decoding (call in eval mode): encode once, then one token at a time."""
+        ids = torch.tensor([src + [EOS]])
+        with warnings.catch_warnings():  # eval mode's fast path warns about nested tensors
+            warnings.simplefilter("ignore")
+            memory = self.transformer.encoder(self.embed(self.src_emb, ids))
+            out = [BOS]
+            for _ in range(max_len):
+                tgt = torch.tensor([out])
+                t = tgt.shape[1]
+                h = self.transformer.decoder(
+                    self.embed(self.tgt_emb, tgt),
+                    memory,
+                    tgt_mask=torch.ones(t, t, dtype=torch.bool).triu(1),
+                )
+                nxt = int(self.head(h[0, -1]).argmax())
+                if nxt == EOS:
+                    break
+                out.append(nxt)
         return out[1:]
 
 
@@ -117,7 +129,7 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--run-dir", required=True)
     p.add_argument("--steps", type=int, default=200)
@@ -132,9 +144,11 @@ def main() -> int:
     p.add_argument("--index-dir", default=None, help="where the corpus index is cached")
     p.add_argument("--signal-at", type=int, default=None, help="(tests) signal self after step K")
     p.add_argument("--signal", choices=["TERM", "KILL", "INT", "USR1"], default="TERM")
-    a = p.parse_args()
+    return p.parse_args(argv)
 
-    unbroken.seed_everything(a.seed)  # unbroken (or torch.manual_seed: model init must be seeded)
+
+def load_data(a: argparse.Namespace):
+    """The raw corpus, its vocabularies, the tokenized corpus and the token-budget loader."""
     paths = [DATA / "train.en", DATA / "train.es"]
     index_dir = a.index_dir or os.path.join(a.run_dir, "corpus-index")
     text = TextCorpus(paths, max_lines=a.lines, cache_dir=index_dir)  # unbroken
@@ -152,6 +166,13 @@ def main() -> int:
         collate_fn=collate,
         num_workers=a.workers,
     )
+    return text, src_vocab, tgt_vocab, loader
+
+
+def main() -> int:
+    a = parse_args()
+    unbroken.seed_everything(a.seed)  # unbroken (or torch.manual_seed: model init must be seeded)
+    text, src_vocab, tgt_vocab, loader = load_data(a)
     model = Translator(len(src_vocab), len(tgt_vocab))
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(

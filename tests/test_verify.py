@@ -268,6 +268,11 @@ def test_script_without_checkpoints_is_refused(tmp_path: Path) -> None:
         verify_resume([PY, "-c", "pass"], work_dir=tmp_path)
 
 
+def test_timeout_kills_the_command(tmp_path: Path) -> None:
+    with pytest.raises(VerifyError, match="timed out"):
+        verify_resume([PY, "-c", "import time; time.sleep(60)"], work_dir=tmp_path, timeout=1)
+
+
 def test_foreign_work_dir_is_refused(tmp_path: Path) -> None:
     (tmp_path / "reference").mkdir()
     with pytest.raises(ConfigError, match="not made by unbroken verify"):

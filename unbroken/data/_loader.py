@@ -342,7 +342,8 @@ class DataLoader:
                 raise DataError(
                     f"loader: {key} was {state_dict[key]!r} when saved but is {now!r} now, so "
                     "the saved position would point at other samples; use the same dataset "
-                    f"and {key}, or start the data stream fresh (allow_missing=['<loader>'])"
+                    f"and {key}, or start the stream fresh under a new component name "
+                    "(Run(..., allow_missing=[new], allow_unexpected=[old]))"
                 )
         self.epoch = int(state_dict["epoch"])
         self.position = int(state_dict["position"])

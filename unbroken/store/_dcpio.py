@@ -12,7 +12,6 @@ reading or allocating, refuses byte items, and reads tensors with ``weights_only
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import stat
@@ -31,7 +30,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from .._errors import CorruptCheckpointError, UnbrokenError, UnsafeCheckpointError
 from ..state import TensorInfo
-from . import _fsops
+from . import _fastread, _fsops
 
 MAX_METADATA_BYTES = 256 << 20
 
@@ -265,47 +264,50 @@ class SafeReader(dcp.FileSystemReader):
         for name, items in per_file.items():
             path = safe_file(directory, name)
             items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
-            with open(path, "rb") as f:
+            with open(path, "rb", buffering=0) as f:
                 for item in items:
                     info = self.storage_data[item.storage_index]
-                    f.seek(info.offset)
-                    raw = f.read(info.length)
-                    if len(raw) != info.length:
-                        raise CorruptCheckpointError(f"{path} is truncated")
-                    tensor = _load_tensor(raw, path, item.storage_index.fqn)
-                    tensor = _narrow(tensor, item.storage_offsets, item.lengths)
+                    where = f"{path}: tensor {item.storage_index.fqn!r}"
+                    rec = _fastread.locate(f, info.offset, info.length, where)
                     target = planner.resolve_tensor(item).detach()
-                    if target.size() != tensor.size():
-                        raise CorruptCheckpointError(
-                            f"{path}: tensor {item.storage_index.fqn!r} has shape "
-                            f"{list(tensor.size())}, expected {list(target.size())}"
+                    if _whole(item, rec) and _fits(rec, target):
+                        # The common case: one copy, from the file straight into the tensor.
+                        if target.numel():
+                            _fastread.read_into(f, rec, target, where)
+                    else:
+                        tensor = _narrow(
+                            _fastread.read_tensor(f, rec, where), item.storage_offsets, item.lengths
                         )
-                    target.copy_(tensor)
+                        if target.size() != tensor.size() or target.dtype != tensor.dtype:
+                            raise CorruptCheckpointError(
+                                f"{where} has shape {list(tensor.size())} {tensor.dtype}, "
+                                f"expected {list(target.size())} {target.dtype}"
+                            )
+                        target.copy_(tensor)
                     planner.commit_tensor(item, target)
         fut: torch.futures.Future[None] = torch.futures.Future()
         fut.set_result(None)
         return fut
 
 
+def _whole(item: Any, rec: _fastread.Record) -> bool:
+    return all(o == 0 for o in item.storage_offsets) and tuple(item.lengths) == rec.size
+
+
+def _fits(rec: _fastread.Record, target: torch.Tensor) -> bool:
+    return (
+        rec.contiguous
+        and target.device.type == "cpu"
+        and target.is_contiguous()
+        and target.dtype == rec.dtype
+        and target.numel() * target.element_size() == rec.nbytes
+    )
+
+
 def _narrow(t: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
     for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
         if start != 0 or length != t.size(dim):
             t = t.narrow(dim, start, length)
-    return t
-
-
-def _load_tensor(raw: bytes, path: str, fqn: str) -> torch.Tensor:
-    try:
-        t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise UnsafeCheckpointError(
-            f"{path}: tensor {fqn!r} holds a pickle that is not a plain tensor ({e}); "
-            "refusing to load it"
-        ) from None
-    except Exception as e:
-        raise CorruptCheckpointError(f"{path}: tensor {fqn!r} cannot be read: {e}") from None
-    if not isinstance(t, torch.Tensor):
-        raise UnsafeCheckpointError(f"{path}: item {fqn!r} is not a tensor")
     return t
 
 

@@ -230,7 +230,10 @@ class _Session:
         self.say(f"reference run (uninterrupted) in {run_dir}")
         t0 = time.perf_counter()
         proc, log = self._start(run_dir, "reference", 1)
-        code = self._finish(proc, log)
+        try:
+            code = self._finish(proc, log)
+        finally:
+            _reap(proc)  # e.g. on Ctrl-C: the command runs in its own session
         if code == EXIT_RESUMABLE:
             raise VerifyError(
                 f"the reference run exited {EXIT_RESUMABLE} (saved and stopped) without being "
@@ -271,7 +274,9 @@ class _Session:
                 out.resumed_from.append(_latest_committed(run_dir))
             proc, log = self._start(run_dir, "interrupted", out.launches)
             try:
-                fired = self._watch(proc, run_dir, target) if target is not None else False
+                fired = False
+                if target is not None:
+                    fired = self._watch(proc, run_dir, target, save_steps)
                 code = self._finish(proc, log)
             finally:
                 _reap(proc)
@@ -333,9 +338,13 @@ class _Session:
         finally:
             log.close()
 
-    def _watch(self, proc: subprocess.Popen[bytes], run_dir: str, target: Target) -> bool:
+    def _watch(
+        self, proc: subprocess.Popen[bytes], run_dir: str, target: Target, save_steps: list[int]
+    ) -> bool:
         """Wait for the target moment and signal the process group; False if it exited first."""
         probe = _StepProbe(run_dir)
+        # Look for a save's directory in quick succession only from the checkpoint before it on.
+        spin_from = max((s for s in save_steps if s < target.step), default=0)
         root = _layout.checkpoints_dir(run_dir)
         tmp = os.path.join(root, _layout.tmp_name(target.step))
         final = os.path.join(root, _layout.step_name(target.step))
@@ -353,7 +362,8 @@ class _Session:
                 except ProcessLookupError:
                     return False
                 return True
-            time.sleep(_SPIN if target.kind == "save" else _POLL)
+            near = target.kind == "save" and probe.last() >= spin_from
+            time.sleep(_SPIN if near else _POLL)
         return False
 
     def _fail(self, what: str, code: int, log_path: str) -> None:
