@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -56,7 +57,12 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--interrupts", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--threads", type=int, default=None, help="OMP_NUM_THREADS for every training process"
+    )
     a = p.parse_args()
+    if a.threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(a.threads)
     args = ["--steps", str(a.steps), "--save-every", str(a.save_every)]
     args += ["--workers", str(a.workers)]
 
@@ -84,7 +90,8 @@ def main() -> None:
     print()
     print(
         f"char_lm --steps {a.steps} --save-every {a.save_every} --workers {a.workers}, "
-        f"verify --interrupts {a.interrupts}; {a.repeats} repeats, interleaved, medians"
+        f"verify --interrupts {a.interrupts}; {a.repeats} repeats, interleaved, medians; "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
     )
     print()
     print("| what | seconds |")
@@ -103,6 +110,7 @@ def main() -> None:
                 "save_every": a.save_every,
                 "interrupts": a.interrupts,
                 "repeats": a.repeats,
+                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                 "plain_s": round(med(plain_s), 2),
                 "verify_s": round(med(verify_s), 2),
                 "verify_parts_s": {k: round(med(v), 2) for k, v in parts.items()},

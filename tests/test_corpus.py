@@ -458,30 +458,30 @@ def reference(tmp_path_factory):
 
 
 def _points(states):
-    mid = [k for k in range(1, 16) if states[k]["batch"] > 0]
+    """A step after which the position is inside a window, the epoch-0 boundary, and a
+    step whose last checkpoint (save_every 4) was taken inside a window."""
     boundary = next(k for k in range(1, 16) if states[k]["start"] >= 24)
-    kill = next(k for k in range(5, 16) if states[(k // 4) * 4]["batch"] > 0)
+    mid = next(k for k in range(2, boundary) if states[k]["batch"] > 0)
+    kill = next(k for k in range(boundary + 1, 16) if k % 4 and states[k // 4 * 4]["batch"] > 0)
     return mid, boundary, kill
 
 
-@pytest.mark.parametrize("case", ["mid-window-TERM", "epoch-boundary-TERM", "mid-window-KILL-w2"])
+CASES = {
+    # SIGTERM saves at that very step: inside a window, then exactly at the end of epoch 0.
+    "TERM-mid-window-then-epoch-boundary": ([], lambda m, b, k: [(m, "TERM"), (b, "TERM")]),
+    # SIGKILL loses the steps since the last checkpoint, which was taken inside a window; the
+    # relaunches use 2 workers against the 0-worker reference (batches do not depend on them).
+    "KILL-after-mid-window-save-2-workers": (["--workers", "2"], lambda m, b, k: [(k, "KILL")]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
 def test_seq2seq_interrupted_equals_uninterrupted(tmp_path, reference, schedule, case):
     mid, boundary, kill = _points(schedule)
-    assert boundary < 16 and mid and kill
-    args, interrupts = (
-        list(ARGS),
-        {
-            "mid-window-TERM": [(mid[0], "TERM"), (mid[-1], "TERM")],
-            "epoch-boundary-TERM": [(boundary, "TERM")],
-            "mid-window-KILL-w2": [(kill, "KILL")],
-        }[case],
-    )
-    if case.endswith("w2"):
-        args += ["--workers", "2"]  # the batches do not depend on workers: same reference
-    run_interrupted(SEQ2SEQ, args, tmp_path, interrupts)
+    extra, interrupts = CASES[case]
+    run_interrupted(SEQ2SEQ, [*ARGS, *extra], tmp_path, interrupts(mid, boundary, kill))
     assert_identical(reference, tmp_path)
     trace = (tmp_path / "trace.jsonl").read_text().splitlines()
     assert trace == (reference / "trace.jsonl").read_text().splitlines() and len(trace) == 16
-    assert (tmp_path / "final.safetensors").read_bytes() == (
-        reference / "final.safetensors"
-    ).read_bytes()
+    ref_weights = (reference / "final.safetensors").read_bytes()
+    assert (tmp_path / "final.safetensors").read_bytes() == ref_weights

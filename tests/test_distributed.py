@@ -29,13 +29,11 @@ def test_ddp_world2_interrupted_every_way_is_bitwise(tmp_path: Path) -> None:
     # SIGKILL of one rank: the other fails its next collective and exits (no hang).
     codes, _ = _run(cut, 2, "--signal-at", "5", "--signal-rank", "1", allowed=(1, KILLED))
     assert codes[1] == KILLED and codes[0] != 0
-    # SIGKILL of all ranks.
-    assert _run(cut, 2, "--signal-at", "9")[0] == [KILLED, KILLED]
+    # SIGKILL of all ranks, saving asynchronously (a background save may be in flight).
+    assert _run(cut, 2, "--signal-at", "9", "--async-save")[0] == [KILLED, KILLED]
     # SIGTERM to rank 0 only: both ranks agree, save the same step and exit resumable.
-    assert _run(cut, 2, "--signal-at", "13", "--signal", "TERM", "--signal-rank", "0")[0] == [
-        75,
-        75,
-    ]
+    term = ["--signal-at", "13", "--signal", "TERM", "--signal-rank", "0", "--async-save"]
+    assert _run(cut, 2, *term)[0] == [75, 75]
     assert CheckpointStore(str(cut)).latest().step == 14
     assert _run(cut, 2)[0] == [0, 0]
     assert_identical(ref, cut)

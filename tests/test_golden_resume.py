@@ -89,3 +89,11 @@ def test_protocol_dataset_and_usr1(tmp_path, reference_runs):
     ref = reference_runs(args)
     run_interrupted(TOY, args, tmp_path, [(7, "USR1"), (9, "KILL")])
     assert_identical(ref, tmp_path)
+
+
+def test_async_save_interrupted_equals_uninterrupted(tmp_path, reference_runs):
+    """Background saves: SIGKILL while a save may be in flight, SIGTERM (which waits for it)."""
+    ref = reference_runs(_args(2, 1, True))
+    args = _args(2, 1, True, ["--async-save"])
+    run_interrupted(TOY, args, tmp_path, [(6, "KILL"), (10, "TERM"), (16, "KILL"), (21, "TERM")])
+    assert_identical(ref, tmp_path)

@@ -40,7 +40,7 @@ TOY = ROOT / "tests" / "scripts" / "toy_train.py"
 BROKEN = ROOT / "tests" / "scripts" / "broken_train.py"
 CHAR_LM = ROOT / "examples" / "char_lm.py"
 PY = sys.executable
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
 def _cli(work: Path, interrupts: int, *cmd: str) -> tuple[int, dict[str, Any]]:
@@ -80,7 +80,10 @@ def verified(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             for bug in ("scheduler", "loader", "dropout", "none")
         },
     }
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    # Two at a time on few cores: one intra-op thread per training process avoids OpenMP
+    # oversubscription (both runs of a verification get the same setting).
+    with pytest.MonkeyPatch.context() as mp, ThreadPoolExecutor(max_workers=2) as pool:
+        mp.setenv("OMP_NUM_THREADS", "1")
         futures = {name: pool.submit(job) for name, job in jobs.items()}
         return {name: f.result() for name, f in futures.items()}
 

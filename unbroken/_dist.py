@@ -22,16 +22,16 @@ def world_size() -> int:
     return dist.get_world_size() if active() else 1
 
 
-def barrier() -> None:
+def barrier(group: Any = None) -> None:
     if active():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def all_gather_object(obj: T) -> list[T]:
+def all_gather_object(obj: T, group: Any = None) -> list[T]:
     if not active():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -43,13 +43,13 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     return box[0]
 
 
-def any_true(flag: bool) -> bool:
+def any_true(flag: bool, group: Any = None) -> bool:
     """True on every rank if ``flag`` is true on any rank (an agreement point)."""
     if not active():
         return flag
-    device = _device()
+    device = _device(group)
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
 
 
@@ -62,7 +62,14 @@ def sum_floats(values: list[float]) -> list[float]:
     return [float(v) for v in t.tolist()]
 
 
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
+def new_cpu_group() -> Any:
+    """A gloo group over all ranks, for collectives of a background save (collective call)."""
+    if not active():
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def _device(group: Any = None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -53,6 +53,7 @@ def main() -> None:
     p.add_argument("--fail-save-at", type=int, default=None)
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--dump-after-load", default=None)
+    p.add_argument("--async-save", action="store_true")
     a = p.parse_args()
 
     rank, world = unbroken.init_distributed()
@@ -83,6 +84,7 @@ def main() -> None:
         save_every=a.save_every,
         max_steps=a.steps,
         progress=False,
+        async_save=a.async_save,
     )
     if a.dump_after_load:
         from safetensors.torch import save_file

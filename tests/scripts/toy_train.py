@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--protocol", action="store_true", help="dataset.get_sample(i, generator)")
     p.add_argument("--n", type=int, default=96)
     p.add_argument("--style", choices=["loop", "epochs"], default="loop")
+    p.add_argument("--async-save", action="store_true")
     p.add_argument("--epoch-end-save", action="store_true")
     p.add_argument("--signal-at", type=int, default=None)
     p.add_argument("--signal", choices=["TERM", "KILL", "INT", "USR1"], default="KILL")
@@ -93,6 +94,7 @@ def main() -> None:
         save_every=a.save_every,
         max_steps=a.steps,
         save_on_epoch_end=a.epoch_end_save,
+        async_save=a.async_save,
         progress=False,
     )
 

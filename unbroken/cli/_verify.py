@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import sys
+from types import FrameType
 from typing import Any
 
 from .._exit import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
@@ -75,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.quiet:
         progress(f"checking {shlex.join(cmd)}")
+    # The command runs in its own session, out of reach of a signal sent to us: exit through
+    # Python so that the launch in flight is killed on the way out (SIGINT already does).
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         report = verify_resume(
             cmd,
@@ -93,8 +98,14 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"passed": False, "error": str(e), "command": cmd}, indent=2))
         print(f"unbroken verify: {e}", file=sys.stderr)
         return EXIT_USAGE if isinstance(e, ConfigError) else EXIT_FAILURE
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2, allow_nan=False))
     else:
         print(report.summary())
     return EXIT_OK if report.passed else EXIT_FAILURE
+
+
+def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)

@@ -1,5 +1,6 @@
 """Store layer: the run directory, commit protocol, checksums, scanning, retention, lock."""
 
+from ._async import AsyncSaver
 from ._dcpio import SafeReader, read_metadata
 from ._layout import checkpoints_dir, scan, step_name
 from ._lock import WriterLock
@@ -7,6 +8,7 @@ from ._reader import CheckpointReader
 from ._store import CheckpointStore, Listing, Retention
 
 __all__ = [
+    "AsyncSaver",
     "CheckpointReader",
     "CheckpointStore",
     "Listing",

@@ -81,7 +81,7 @@ class _HashingFileSystem(FileSystem):
 
 
 def write_tensors(
-    directory: str, tensors: Mapping[str, torch.Tensor]
+    directory: str, tensors: Mapping[str, torch.Tensor], group: Any = None
 ) -> dict[str, tuple[int, str]]:
     """Write ``tensors`` with DCP into ``directory``; returns {file: (size, xxh3)} of this rank.
 
@@ -93,7 +93,9 @@ def write_tensors(
     fs = _HashingFileSystem()
     writer.fs = fs
     with _dcp_call():
-        dcp.save(dict(tensors), storage_writer=writer, no_dist=not _dist.active())
+        dcp.save(
+            dict(tensors), storage_writer=writer, process_group=group, no_dist=not _dist.active()
+        )
     return dict(fs.records)
 
 

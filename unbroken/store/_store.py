@@ -142,19 +142,21 @@ class CheckpointStore:
 
     # ---- saving -------------------------------------------------------------------------------
 
-    def save(self, step: int, payload: Payload, meta: dict[str, Any]) -> str:
-        """Write and commit a checkpoint of ``step`` (collective); returns its path."""
+    def save(self, step: int, payload: Payload, meta: dict[str, Any], group: Any = None) -> str:
+        """Write and commit a checkpoint of ``step`` (collective over ``group``); returns its
+        path. A background save passes its own process group, so that its collectives never
+        interleave with the training's."""
         rank, world = _dist.rank(), _dist.world_size()
         tmp = os.path.join(self.root, _layout.tmp_name(step))
         final = os.path.join(self.root, _layout.step_name(step))
         err: BaseException | None = None
         if rank == 0:
             err = _attempt(lambda: self._prepare(tmp))
-        self._agree(err, tmp, step)
+        self._agree(err, tmp, step, group)
         records: dict[str, tuple[int, str]] = {}
 
         def write_rank_files() -> None:
-            records.update(_dcpio.write_tensors(tmp, payload.tensors))
+            records.update(_dcpio.write_tensors(tmp, payload.tensors, group))
             name = _manifest.rank_file(rank)
             doc = {"components": payload.local_trees}
             records[name] = _fsops.write_file(os.path.join(tmp, name), _manifest.dumps(doc))
@@ -162,12 +164,12 @@ class CheckpointStore:
                 _fsops.fsync_file(os.path.join(tmp, fname))
 
         err = _attempt(write_rank_files)
-        self._agree(err, tmp, step)
-        gathered = _dist.all_gather_object(records)
+        self._agree(err, tmp, step, group)
+        gathered = _dist.all_gather_object(records, group)
         if rank == 0:
             files = {k: v for part in gathered for k, v in part.items()}
             err = _attempt(lambda: self._commit(tmp, final, step, payload, files, meta, world))
-        self._agree(err, tmp, step)
+        self._agree(err, tmp, step, group)
         return final
 
     def _prepare(self, tmp: str) -> None:
@@ -242,8 +244,8 @@ class CheckpointStore:
             except OSError:
                 pass  # committed already; clean_stale() removes the leftover copy
 
-    def _agree(self, err: BaseException | None, tmp: str, step: int) -> None:
-        failed = _dist.any_true(err is not None)
+    def _agree(self, err: BaseException | None, tmp: str, step: int, group: Any = None) -> None:
+        failed = _dist.any_true(err is not None, group)
         if not failed:
             return
         if _dist.rank() == 0:

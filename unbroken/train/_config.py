@@ -53,6 +53,8 @@ class RunConfig:
     """Write ``RUN/metrics.jsonl``."""
     progress: bool | None = None
     """Show a tqdm bar (default: when stderr is a terminal)."""
+    async_save: bool = False
+    """Block training only for a snapshot; write and commit in the background."""
     verify_checksums: bool = True
     """Check every file's xxh3 before resuming (size checks always happen)."""
     track_rng: bool = True

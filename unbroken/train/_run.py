@@ -32,7 +32,7 @@ from .._exit import EXIT_RESUMABLE
 from ..data import DataLoader, IterableLoader
 from ..data._seeding import derive, seed_globals
 from ..state import Counters, GlobalRNG, Registry
-from ..store import CheckpointReader, CheckpointStore, Retention, WriterLock
+from ..store import AsyncSaver, CheckpointReader, CheckpointStore, Retention, WriterLock, step_name
 from ._config import RunConfig, deadline
 from ._loop import Stepper
 from ._metrics import MetricsLog
@@ -85,6 +85,7 @@ class Run:
         self._closed = False
         self.resumed_from: int | None = None
         self._stepper = Stepper(self)
+        self._async: AsyncSaver | None = None
         self.stopped = False
         self.last_saved_step: int | None = None
         self.last_save_seconds: float | None = None
@@ -108,6 +109,9 @@ class Run:
             self.close()
             raise
         self.last_saved_step = self.resumed_from
+        if self.config.async_save:
+            group = _dist.new_cpu_group() if self.world_size > 1 else None
+            self._async = AsyncSaver(self.store, group)
         self._marks = self._loader_marks()
         self._epoch_save_pending = False
         self._start_wall = time.time()
@@ -234,7 +238,8 @@ class Run:
             # (which truncates the log to that length) keeps it.
             self._metrics.event("stop", step=c.step, reason=stop_reason)
         if save:
-            self.save()
+            # A stop's checkpoint must be committed before the process exits.
+            self.save(blocking=stop_reason is not None)
         if stop_reason is not None:
             return self._halt(stop_reason)
         return self.done
@@ -375,23 +380,43 @@ class Run:
 
     # ---- saving -------------------------------------------------------------------------------
 
-    def save(self) -> str:
-        """Save every component now (collective); returns the checkpoint path."""
+    def save(self, *, blocking: bool | None = None) -> str:
+        """Save every component now (collective); returns the checkpoint's path.
+
+        With ``async_save=True`` (and ``blocking`` not True) only the snapshot blocks; writing
+        and committing finish in the background (see :class:`unbroken.store.AsyncSaver`).
+        """
         t0 = time.perf_counter()
         c = self.counters
         if self._metrics is not None:
             c.metrics_offset = self._metrics.offset()
         payload = self.registry.collect(self.rank)
         meta = {"epoch": c.epoch, "samples": c.samples, "stage": c.stage}
-        path = self.store.save(c.step, payload, meta)
-        if self.rank == 0:
-            self.store.apply_retention(c.step)
+        path = os.path.join(self.store.root, step_name(c.step))
+        if self._async is not None and not blocking:
+            self._async.save(c.step, payload, meta, after=self._retain)
+            # The time budget must allow for a whole save: use the last complete one.
+            self.last_save_seconds = self._async.last_total_seconds or (time.perf_counter() - t0)
+        else:
+            if self._async is not None:
+                self._async.wait()
+            self.store.save(c.step, payload, meta)
+            self._retain(c.step)
+            self.last_save_seconds = time.perf_counter() - t0
         self.last_saved_step = c.step
-        self.last_save_seconds = time.perf_counter() - t0
         self._last_save_wall = time.time()
         # Time spent saving is not a training step.
-        self._last_tick += self.last_save_seconds
+        self._last_tick += time.perf_counter() - t0
         return path
+
+    def _retain(self, step: int) -> None:
+        if self.rank == 0:
+            self.store.apply_retention(step)
+
+    def wait(self) -> None:
+        """Wait for a background save to commit; raise its error if it failed."""
+        if self._async is not None:
+            self._async.wait()
 
     def finish(self) -> None:
         """Mark training complete, save a final checkpoint (if configured) and close."""
@@ -400,8 +425,9 @@ class Run:
         c = self.counters
         if self.config.save_final and not (c.complete and self.last_saved_step == c.step):
             c.complete = True
-            self.save()
+            self.save(blocking=True)
         c.complete = True
+        self.wait()
         self.close()
 
     def close(self) -> None:
@@ -409,6 +435,13 @@ class Run:
         if self._closed:
             return
         self._closed = True
+        try:
+            # The lock is released only after a save in flight committed (or failed).
+            self.wait()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         self._stop.uninstall()
         if self._progress is not None:
             self._progress.close()
@@ -423,8 +456,11 @@ class Run:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
             self.finish()
-        else:
+            return
+        try:
             self.close()
+        except Exception as e:  # do not hide the exception that ended the block
+            warnings.warn(f"closing the run after an error: {e}", stacklevel=2)
 
     def __repr__(self) -> str:
         return (
