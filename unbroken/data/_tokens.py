@@ -420,7 +420,7 @@ class TokenBatchLoader:
         else:
             self._pos = _Pos(
                 int(sd["start"]),
-                int(sd["batch"]),
+                0,
                 int(sd["window_size"]),
                 int(sd["window_tokens"]),
                 int(sd["window"]),
