@@ -4,6 +4,6 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import _demo, _inspect, _supervise, _verify
+from . import _demo, _inspect, _pin, _supervise, _verify
 
-MODULES: list[ModuleType] = [_demo, _supervise, _inspect, _verify]
+MODULES: list[ModuleType] = [_demo, _supervise, _inspect, _pin, _verify]

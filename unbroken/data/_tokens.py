@@ -420,7 +420,7 @@ class TokenBatchLoader:
         else:
             self._pos = _Pos(
                 int(sd["start"]),
-                0,
+                int(sd["batch"]),
                 int(sd["window_size"]),
                 int(sd["window_tokens"]),
                 int(sd["window"]),
