@@ -132,7 +132,7 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--run-dir", required=True)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--save-every", type=int, default=25)
     p.add_argument("--max-tokens", type=int, default=1200, help="padded tokens per batch")
     p.add_argument("--window", type=int, default=512, help="samples sorted together")
@@ -141,6 +141,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (a tiny model gains "
+        "little from more, and loses much when cores are shared with workers or other jobs)",
+    )
     p.add_argument("--index-dir", default=None, help="where the corpus index is cached")
     p.add_argument("--signal-at", type=int, default=None, help="(tests) signal self after step K")
     p.add_argument("--signal", choices=["TERM", "KILL", "INT", "USR1"], default="TERM")
@@ -171,6 +178,7 @@ def load_data(a: argparse.Namespace):
 
 def main() -> int:
     a = parse_args()
+    torch.set_num_threads(a.threads)
     unbroken.seed_everything(a.seed)  # unbroken (or torch.manual_seed: model init must be seeded)
     text, src_vocab, tgt_vocab, loader = load_data(a)
     model = Translator(len(src_vocab), len(tgt_vocab))

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import unbroken
 from tests.golden import ROOT, assert_identical, launch, run_interrupted
@@ -101,6 +103,12 @@ def test_index_is_built_once_reused_and_rebuilt_when_the_file_changes(tmp_path):
     with pytest.warns(UserWarning, match="mtime_ns"):
         touched = TextCorpus(path)
     assert touched.fingerprint == changed.fingerprint
+    # A damaged index is rebuilt, not trusted.
+    with open(path + ".unbroken-index.npy", "r+b") as f:
+        f.truncate(100)
+    with pytest.warns(UserWarning, match="is unreadable; rebuilding"):
+        repaired = TextCorpus(path)
+    assert repaired.rebuilt == [path] and repaired[-1] == touched[-1]
 
 
 def test_a_line_is_read_in_one_slice_of_exactly_its_bytes(tmp_path, monkeypatch):
@@ -281,12 +289,31 @@ def test_resume_work_does_not_grow_with_the_position(tmp_path):
 # ---- workers, ranks, changed corpora -------------------------------------------------------------
 
 
+def noisy_split(text: str) -> list[str]:
+    """Word dropout from the global stream: unbroken seeds it per (seed, epoch, line)."""
+    return [w for w in text.split() if random.random() < 0.7] or ["<empty>"]
+
+
+def test_iterating_leaves_the_global_random_streams_alone(tmp_path):
+    corpus = pair(tmp_path, 100)
+    corpus.tokenize = [noisy_split, noisy_split]
+    torch.manual_seed(1)
+    random.seed(1)
+    np.random.seed(1)
+    before = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+    drain(TokenBatchLoader(corpus, 40, window=16), epochs=2)
+    assert torch.equal(torch.get_rng_state(), before[0])
+    assert random.getstate() == before[1]
+    assert np.array_equal(np.random.get_state()[1], before[2])
+
+
 def _joined(items):
-    return [tuple(" ".join(f) for f in item) for item in items]
+    return [tuple(f if isinstance(f, str) else " ".join(f) for f in item) for item in items]
 
 
 def test_batches_do_not_depend_on_the_number_of_workers(tmp_path):
     corpus = pair(tmp_path, 200)
+    corpus.tokenize = [noisy_split, str.split]  # random per sample, yet the same anywhere
     runs = []
     for workers in (0, 2):
         loader = TokenBatchLoader(
@@ -306,8 +333,10 @@ def test_batches_do_not_depend_on_the_number_of_workers(tmp_path):
     assert runs[0] == runs[1]
     stream = runs[0][0]
     assert sorted(i for _, idx in stream for i in idx) == list(range(200))
-    for batch, idx in stream:
-        assert batch == [tuple(" ".join(f) for f in corpus[i]) for i in idx]
+    pairs = [(item, i) for batch, idx in stream for item, i in zip(batch, idx, strict=True)]
+    assert all(item[1] == corpus.text(i)[1] for item, i in pairs)
+    dropped = [len(item[0].split()) < len(corpus.text(i)[0].split()) for item, i in pairs]
+    assert any(dropped) and not all(dropped)
 
 
 def test_rank_slices_make_up_the_global_batch_for_any_world_size(tmp_path):
@@ -370,8 +399,6 @@ def test_a_changed_corpus_refuses_the_saved_position_or_restarts_the_epoch(tmp_p
 
 
 def test_a_run_refuses_to_resume_on_a_changed_corpus(tmp_path):
-    import torch
-
     src = tmp_path / "c.src"
     write(src, sentences(40, 1))
 

@@ -28,12 +28,14 @@ from unbroken.verify import (
     Comparison,
     Difference,
     ScriptFailedError,
+    Target,
     VerifyError,
     VerifyReport,
     compare_runs,
     plan_interrupts,
     verify_resume,
 )
+from unbroken.verify._plan import next_target
 from unbroken.verify._report import LOADER, LR, METRICS_ONLY, NONDET, UNSEEDED_GLOBAL, hints_for
 
 TOY = ROOT / "tests" / "scripts" / "toy_train.py"
@@ -241,6 +243,22 @@ def test_json_state_and_dtype_are_compared(tmp_path: Path) -> None:
     assert compare_runs(ra, rb, ignore=("box.x",)).passed
 
 
+def test_a_corrupt_checkpoint_is_reported(tmp_path: Path) -> None:
+    ra = _run_dir(tmp_path / "a", torch.zeros(4))
+    rb = _run_dir(tmp_path / "b", torch.zeros(4))
+    (payload,) = (rb / "checkpoints").glob("step-*/*.distcp")
+    data = bytearray(payload.read_bytes())
+    data[-1] ^= 0xFF
+    payload.write_bytes(bytes(data))
+    d = compare_runs(ra, rb).first_difference
+    assert d is not None and (d.component, d.kind, d.reference) == (
+        "checkpoints",
+        "unreadable",
+        "readable",
+    )
+    assert "checksum" in d.other
+
+
 # ---- unusable input is refused --------------------------------------------------------------
 
 
@@ -311,6 +329,16 @@ def test_plan_is_seeded_sorted_and_kills_one_save() -> None:
         "save of step 4",
     ]
     assert plan_interrupts(0, 0, 16, saves) == [] and plan_interrupts(3, 0, 1, [1]) == []
+
+
+def test_a_passed_moment_moves_to_the_next_that_fits() -> None:
+    notes: list[str] = []
+    pending = [Target("step", 5, "TERM"), Target("save", 8, "KILL")]
+    assert next_target(pending, 9, 16, [4, 8, 12, 16], notes) == Target("step", 10, "TERM")
+    pending.pop(0)
+    assert next_target(pending, 10, 16, [4, 8, 12, 16], notes) == Target("save", 12, "KILL")
+    assert next_target([Target("step", 3, "KILL")], 15, 16, [16], notes) is None
+    assert notes == ["SIGKILL at step 3 dropped: the run was already past it"]
 
 
 def _cmp(*diffs: Difference, kinds: dict[str, str] | None = None) -> Comparison:

@@ -26,7 +26,15 @@ from ._version import __version__
 
 if TYPE_CHECKING:
     from ._launch import init_distributed
-    from .data import DataLoader, IterableLoader, seed_everything
+    from .data import (
+        CharVocab,
+        DataLoader,
+        IterableLoader,
+        TextCorpus,
+        TokenBatchLoader,
+        WordVocab,
+        seed_everything,
+    )
     from .state import EMA, Stateful
     from .store import CheckpointReader, CheckpointStore
     from .train import (
@@ -46,6 +54,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "Change": ".train",
+    "CharVocab": ".data",
     "CheckpointReader": ".store",
     "CheckpointStore": ".store",
     "Constant": ".train",
@@ -61,7 +70,10 @@ _LAZY = {
     "Stateful": ".state",
     "StepContext": ".train",
     "StepTable": ".train",
+    "TextCorpus": ".data",
+    "TokenBatchLoader": ".data",
     "WarmupCosine": ".train",
+    "WordVocab": ".data",
     "init_distributed": "._launch",
     "read_metrics": ".train",
     "seed_everything": ".data",
@@ -83,6 +95,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Change",
+    "CharVocab",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointReader",
@@ -107,9 +120,12 @@ __all__ = [
     "Stateful",
     "StepContext",
     "StepTable",
+    "TextCorpus",
+    "TokenBatchLoader",
     "UnbrokenError",
     "UnsafeCheckpointError",
     "WarmupCosine",
+    "WordVocab",
     "__version__",
     "init_distributed",
     "read_metrics",

@@ -123,7 +123,10 @@ class LineIndex:
         self.in_memory = False
         self._mm: mmap.mmap | None = None
         self._offsets: np.ndarray | None = None
-        self.meta = self._open()
+        try:
+            self.meta = self._open()
+        except OSError as e:
+            raise DataError(f"cannot read corpus file {self.name}: {e}") from e
 
     # ---- the index ----------------------------------------------------------------------------
 
@@ -133,16 +136,18 @@ class LineIndex:
         now = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "head_xxh3": head}
         old = self._read_meta()
         if old is not None:
-            same = all(old.get(k) == v for k, v in now.items())
-            if same and old.get("version") == INDEX_VERSION and self._load(old):
+            changed = [k for k, v in now.items() if old.get(k) != v]
+            if not changed and old.get("version") == INDEX_VERSION and self._load(old):
                 return old
-            what = [k for k, v in now.items() if old.get(k) != v] or ["index file"]
-            warnings.warn(
-                f"corpus file {self.name} changed since its index was built ({', '.join(what)} "
-                "differ); rebuilding the index. Loader positions saved with the old contents "
-                "will be refused (see restart_epoch_on_change)",
-                stacklevel=4,
-            )
+            if changed:
+                why = (
+                    f"corpus file {self.name} changed since its index was built "
+                    f"({', '.join(changed)} differ); rebuilding the index. Loader positions "
+                    "saved with other contents will be refused (see restart_epoch_on_change)"
+                )
+            else:
+                why = f"the index of {self.name} ({self.npy_path}) is unreadable; rebuilding it"
+            warnings.warn(why, stacklevel=4)
         offsets, content = scan(self.path, self.name)
         meta = {
             "version": INDEX_VERSION,

@@ -32,7 +32,7 @@ import atexit
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,10 +44,10 @@ from .. import _dist
 from .._errors import ConfigError, DataError
 from . import _seeding
 from ._corpus import EpochOrder
-from ._loader import _SeededFetch, _WorkerInit
+from ._loader import _WorkerInit
+from ._windows import WindowFetch, cut_window, longest_field
 
 TOKENS_VERSION = 1
-_MISS = object()
 
 
 @dataclass(slots=True)
@@ -75,40 +75,6 @@ class _Plan:
     epoch: int
     pos: _Pos
     pending: deque[tuple[_Pos, list[int]]] = field(default_factory=deque)
-
-
-def longest_field(item: Any) -> int:
-    """The default ``length_fn``: the longest field of a tuple item, else ``len(item)``."""
-    if isinstance(item, tuple):
-        return max((len(f) for f in item), default=0)
-    return len(item)
-
-
-class _Fetch(_SeededFetch):
-    """Seeded fetching; without workers, a window's samples (read to measure them) are kept
-    and handed out again instead of being read twice."""
-
-    def __init__(self, dataset: Any, seed: int, reseed_globals: bool, keep: bool) -> None:
-        super().__init__(dataset, seed, reseed_globals)
-        self.keep = keep
-        self.cache: dict[tuple[int, int], Any] = {}
-
-    def window(self, epoch: int, indices: np.ndarray) -> list[Any]:
-        keys = [(epoch, int(i)) for i in indices]
-        items = super().__getitems__(keys)
-        if self.keep:
-            self.cache = dict(zip(keys, items, strict=True))
-        return items
-
-    def __getitems__(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
-        if self.cache:
-            got = [self.cache.pop((k[0], k[1]), _MISS) for k in keys]
-            if not any(g is _MISS for g in got):
-                return got
-        return super().__getitems__(keys)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "cache": {}}
 
 
 class _Batches:
@@ -215,7 +181,7 @@ class TokenBatchLoader:
         self.skipped = 0
         """Process-local counters (not saved): batches, global samples, windows cut, samples
         left out as too long."""
-        self._fetch = _Fetch(dataset, self.seed, reseed_globals, keep=num_workers == 0)
+        self._fetch = WindowFetch(dataset, self.seed, reseed_globals, keep=num_workers == 0)
         self._inner = tud.DataLoader(
             self._fetch,
             batch_sampler=_Batches(self),
@@ -314,12 +280,8 @@ class TokenBatchLoader:
                 )
             self.skipped += int((~fits).sum())
             idx, lengths = idx[fits], lengths[fits]
-        by_length = np.argsort(lengths, kind="stable")
-        batches = _cut(idx[by_length], lengths[by_length], tokens)
-        if self.shuffle and len(batches) > 1:
-            seed = _seeding.derive(self.seed, epoch, pos.start, domain=b"window")
-            perm = np.random.Generator(np.random.PCG64(seed)).permutation(len(batches))
-            batches = [batches[k] for k in perm]
+        seed = _seeding.derive(self.seed, epoch, pos.start, domain=b"window")
+        batches = cut_window(idx, lengths, tokens, seed if self.shuffle else None)
         self.windows_computed += 1
         return _Window(pos.start, size, tokens, pos.window, batches)
 
@@ -450,16 +412,3 @@ class TokenBatchLoader:
             stacklevel=3,
         )
         return True
-
-
-def _cut(idx: np.ndarray, lengths: np.ndarray, budget: int) -> list[list[int]]:
-    """Greedy cut of length-sorted samples: count x longest <= budget per batch."""
-    out: list[list[int]] = []
-    begin = 0
-    for j in range(len(idx)):
-        if j > begin and (j - begin + 1) * int(lengths[j]) > budget:
-            out.append(idx[begin:j].tolist())
-            begin = j
-    if begin < len(idx):
-        out.append(idx[begin:].tolist())
-    return out

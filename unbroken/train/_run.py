@@ -29,7 +29,6 @@ import torch
 from .. import _dist
 from .._errors import ConfigError, StateError
 from .._exit import EXIT_RESUMABLE
-from ..data import DataLoader, IterableLoader
 from ..data._seeding import derive, seed_globals
 from ..state import Counters, GlobalRNG, Registry
 from ..store import AsyncSaver, CheckpointReader, CheckpointStore, Retention, WriterLock, step_name
@@ -303,7 +302,7 @@ class Run:
             epoch = self.counters.epoch
             loaders = self._loaders()
             for loader in loaders:
-                if isinstance(loader, DataLoader):
+                if callable(getattr(loader, "set_epoch", None)):
                     loader.set_epoch(epoch)
             if self.config.on_epoch_start is not None:
                 first = not loaders or getattr(loaders[0], "position", 0) == 0
@@ -376,7 +375,8 @@ class Run:
             self.save()
 
     def _loaders(self) -> list[Any]:
-        return [c.obj for c in self.registry if isinstance(c.obj, (DataLoader, IterableLoader))]
+        """Tracked loaders: unbroken's, or any component that declares ``kind = "loader"``."""
+        return [c.obj for c in self.registry if getattr(c.obj, "kind", None) == "loader"]
 
     # ---- saving -------------------------------------------------------------------------------
 

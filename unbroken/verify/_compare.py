@@ -131,7 +131,7 @@ def compare_runs(
         kinds, schedulers = _components(ref_steps[max(ref_steps)])
     found: dict[str, Difference] = {}
     for step in shared:
-        for d in _compare_step(step, ref_steps[step], other_steps[step], w, kinds):
+        for d in _compare_step(step, ref_steps[step], other_steps[step], w):
             found.setdefault(d.component, d)
     if ref_steps and other_steps and max(ref_steps) != max(other_steps):
         end = min(max(ref_steps), max(other_steps))
@@ -187,15 +187,15 @@ def _trees(reader: CheckpointReader, ranks: int) -> dict[str, Any]:
     return trees
 
 
-def _compare_step(
-    step: int, ref_path: str, other_path: str, w: _Walker, kinds: dict[str, str]
-) -> list[Difference]:
+def _compare_step(step: int, ref_path: str, other_path: str, w: _Walker) -> list[Difference]:
     readers = []
-    for path in (ref_path, other_path):
+    for i, path in enumerate((ref_path, other_path)):
         try:
             readers.append(_open(path))
         except CheckpointError as e:
-            return [Difference(step, "checkpoints", "", "unreadable", "", str(e)[:200])]
+            why = str(e)[:200]
+            ref_side, other_side = (why, "readable") if i == 0 else ("readable", why)
+            return [Difference(step, "checkpoints", "", "unreadable", ref_side, other_side)]
     a, b = readers
     ranks = min(a.world_size, b.world_size)
     trees_a, trees_b = _trees(a, ranks), _trees(b, ranks)

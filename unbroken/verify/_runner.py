@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -31,6 +30,7 @@ from .._exit import EXIT_OK, EXIT_RESUMABLE
 from ..store import _layout
 from ._compare import compare_runs
 from ._errors import ScriptFailedError, VerifyError
+from ._plan import Target, next_target, plan_interrupts
 from ._report import Interruption, VerifyReport, hints_for
 
 PLACEHOLDER = "{run_dir}"
@@ -41,48 +41,6 @@ _POLL = 0.002  # seconds between looks at the metrics log
 _SPIN = 0.0005  # while waiting for a save to start: short, so a save of a millisecond is seen
 
 Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """One planned interruption: a signal at a logged step, or SIGKILL inside a save."""
-
-    kind: str  # "step" | "save"
-    step: int
-    signal: str  # "KILL" | "TERM"
-
-    @property
-    def moment(self) -> str:
-        return f"step {self.step}" if self.kind == "step" else f"save of step {self.step}"
-
-
-def plan_interrupts(k: int, seed: int, total: int, save_steps: Sequence[int]) -> list[Target]:
-    """K moments drawn from ``seed``, in step order; with K >= 2 one is a SIGKILL inside a save.
-
-    Moments come after the first checkpoint when there is room (an earlier kill only restarts
-    from scratch); step targets alternate SIGKILL, SIGTERM, ...
-    """
-    if k <= 0 or total < 2:
-        return []
-    rng = random.Random(seed)
-    first = min(save_steps) if save_steps else 0
-    lo = first + 1 if total - 1 - first >= k else 1
-    save_target = None
-    if k >= 2 and save_steps:
-        later = [s for s in save_steps if s > first]
-        save_target = rng.choice(later or list(save_steps))
-    n_steps = k - (save_target is not None)
-    pool = [t for t in range(lo, total) if t != save_target]
-    if save_target is not None:
-        # A signal just before the save target would carry the run past it before it starts.
-        spaced = [t for t in pool if not save_target - 2 <= t <= save_target]
-        pool = spaced if len(spaced) >= n_steps else pool
-    n_steps = min(n_steps, len(pool))
-    steps = sorted(rng.sample(pool, n_steps))
-    plan = [Target("step", t, "KILL" if i % 2 == 0 else "TERM") for i, t in enumerate(steps)]
-    if save_target is not None:
-        plan.append(Target("save", save_target, "KILL"))
-    return sorted(plan, key=lambda t: t.step)
 
 
 def verify_resume(
@@ -263,7 +221,7 @@ class _Session:
         pending = list(plan)
         last_seen, stalls = 0, 0
         while True:
-            target = _next_target(pending, last_seen, total, save_steps, out.notes)
+            target = next_target(pending, last_seen, total, save_steps, out.notes)
             out.launches += 1
             if out.launches > len(plan) + 10:
                 raise VerifyError(
@@ -274,23 +232,22 @@ class _Session:
                 out.resumed_from.append(_latest_committed(run_dir))
             proc, log = self._start(run_dir, "interrupted", out.launches)
             try:
-                fired = False
-                if target is not None:
-                    fired = self._watch(proc, run_dir, target, save_steps)
+                hit = None if target is None else self._watch(proc, run_dir, target, save_steps)
                 code = self._finish(proc, log)
             finally:
                 _reap(proc)
+            fired = hit is not None
             at = _last_step(run_dir)
             leftover = _leftover_save(run_dir)
             label = f"launch {out.launches}: "
-            if fired and target is not None:
+            if hit is not None and target is not None:
                 pending.remove(target)
                 during = leftover is not None
-                sig = "SIG" + target.signal
+                sig = "SIG" + hit.signal
                 out.interruptions.append(
-                    Interruption(out.launches, sig, target.moment, at, code, during)
+                    Interruption(out.launches, sig, hit.moment, at, code, during)
                 )
-                label += f"SIG{target.signal} at {target.moment}, "
+                label += f"SIG{hit.signal} at {hit.moment}, "
             self.say(label + _exit_text(code, at, leftover))
             if code == EXIT_OK:
                 break
@@ -340,31 +297,37 @@ class _Session:
 
     def _watch(
         self, proc: subprocess.Popen[bytes], run_dir: str, target: Target, save_steps: list[int]
-    ) -> bool:
-        """Wait for the target moment and signal the process group; False if it exited first."""
+    ) -> Target | None:
+        """Wait for the target moment and signal the process group; returns the moment it hit
+        (a save seen only once committed moves the target to the next save), or None if the
+        process exited first."""
         probe = _StepProbe(run_dir)
-        # Look for a save's directory in quick succession only from the checkpoint before it on.
-        spin_from = max((s for s in save_steps if s < target.step), default=0)
         root = _layout.checkpoints_dir(run_dir)
-        tmp = os.path.join(root, _layout.tmp_name(target.step))
-        final = os.path.join(root, _layout.step_name(target.step))
+        later = [s for s in save_steps if s > target.step]
+        gap = _gap(save_steps)
         while proc.poll() is None:
             left = self._remaining()
             if left is not None and left <= 0:
-                return False  # _finish reports the timeout
+                return None  # _finish reports the timeout
             if target.kind == "save":
-                hit = os.path.isdir(tmp) or os.path.isdir(final)
+                hit = os.path.isdir(os.path.join(root, _layout.tmp_name(target.step)))
+                if not hit and os.path.isdir(os.path.join(root, _layout.step_name(target.step))):
+                    if later:  # missed (a very short save): aim at the next one
+                        target = Target("save", later.pop(0), target.signal)
+                        continue
+                    hit = True  # the last save: kill now, just after it
             else:
                 hit = probe.last() >= target.step
             if hit:
                 try:
                     os.killpg(proc.pid, getattr(signal, "SIG" + target.signal))
                 except ProcessLookupError:
-                    return False
-                return True
-            near = target.kind == "save" and probe.last() >= spin_from
+                    return None
+                return target
+            # Look for a save's directory in quick succession from the checkpoint before it on.
+            near = target.kind == "save" and probe.last() >= target.step - gap
             time.sleep(_SPIN if near else _POLL)
-        return False
+        return None
 
     def _fail(self, what: str, code: int, log_path: str) -> None:
         tail = _tail(log_path)
@@ -377,27 +340,10 @@ class _Session:
         )
 
 
-def _next_target(
-    pending: list[Target], last_seen: int, total: int, save_steps: list[int], notes: list[str]
-) -> Target | None:
-    """The next planned moment still ahead of the run (a passed one moves to the next fit)."""
-    while pending:
-        t = pending[0]
-        if t.step > last_seen:
-            return t
-        moved: Target | None = None
-        if t.kind == "step" and last_seen + 1 < total:
-            moved = Target("step", last_seen + 1, t.signal)
-        else:
-            later = [s for s in save_steps if s > last_seen]
-            moved = Target("save", later[0], t.signal) if t.kind == "save" and later else None
-        pending.pop(0)
-        if moved is None:
-            notes.append(f"SIG{t.signal} at {t.moment} dropped: the run was already past it")
-            continue
-        pending.insert(0, moved)
-        return moved
-    return None
+def _gap(save_steps: list[int]) -> int:
+    """The smallest distance between two saves (the first save's step if only one)."""
+    gaps = [b - a for a, b in zip([0, *save_steps], save_steps, strict=False)]
+    return min(gaps) if gaps else 1
 
 
 def _reap(proc: subprocess.Popen[bytes]) -> None:
