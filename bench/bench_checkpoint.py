@@ -304,6 +304,8 @@ def write_fixtures(model: GPT, opt: Any, reg: Registry, root: str) -> dict[str, 
     with open(paths["readinto"], "wb") as f:
         for t in tensors.values():
             f.write(_bytes_view(t))
+    with open(paths["readinto"] + ".json", "w") as f:
+        json.dump(list(tensors), f)  # the order of the bytes (a restore may reorder dicts)
     paths["unbroken_noverify"] = paths["unbroken"]
     return paths
 
@@ -352,11 +354,14 @@ def load_fn(kind: str, path: str, model: GPT, opt: Any, reg: Registry) -> Callab
 
         return stock_dcp
     if kind == "readinto":
+        with open(path + ".json") as f:
+            order = json.load(f)
 
         def readinto() -> None:
+            live = reg.collect().tensors
             with open(path, "rb", buffering=0) as f:
-                for t in reg.collect().tensors.values():
-                    view = _bytes_view(t)
+                for name in order:
+                    view = _bytes_view(live[name])
                     if f.readinto(view) != len(view):
                         raise RuntimeError(f"{path} is truncated")
 

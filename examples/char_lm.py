@@ -102,9 +102,13 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (1 is fastest on 2 cores)"
+    )
     p.add_argument("--no-amp", action="store_true", help="disable bf16 autocast + GradScaler")
     a = p.parse_args()
 
+    torch.set_num_threads(a.threads)
     rank, world = unbroken.init_distributed()  # unbroken: torchrun / srun; a no-op otherwise
     unbroken.seed_everything(a.seed)  # unbroken (or torch.manual_seed: model init must be seeded)
     data = Crops(CORPUS.read_text(encoding="utf-8"), a.context, stride=a.context // 2)

@@ -100,8 +100,11 @@ def test_toy_script_passes_via_cli_json(verified: dict[str, Any]) -> None:
     assert report["checkpoints_compared"] == [4, 8, 12, 16]
     assert report["metrics_compared"] == 16
     kills = report["interruptions"]
-    assert len(kills) == 3 and report["launches"] == 4
-    assert {k["signal"] for k in kills} == {"SIGKILL", "SIGTERM"}
+    assert len(kills) == 3 and {k["signal"] for k in kills} == {"SIGKILL", "SIGTERM"}
+    # A signal may land after this fast script's last step (exit 0, noted): no relaunch then.
+    effective = [k for k in kills if k["exit_code"] != 0]
+    assert len(effective) >= 2 and report["launches"] == 1 + len(effective)
+    assert len(report["notes"]) == len(kills) - len(effective)
     # The fault point: one SIGKILL landed while a save was being written.
     saves = [k for k in kills if k["moment"].startswith("save of step")]
     assert len(saves) == 1 and saves[0]["during_save"] and saves[0]["exit_code"] == -9

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
         WarmupCosine,
         read_metrics,
     )
+    from .verify import VerifyError, VerifyReport, compare_runs, verify_resume
 
 _LAZY = {
     "Change": ".train",
@@ -72,11 +73,15 @@ _LAZY = {
     "StepTable": ".train",
     "TextCorpus": ".data",
     "TokenBatchLoader": ".data",
+    "VerifyError": ".verify",
+    "VerifyReport": ".verify",
     "WarmupCosine": ".train",
     "WordVocab": ".data",
+    "compare_runs": ".verify",
     "init_distributed": "._launch",
     "read_metrics": ".train",
     "seed_everything": ".data",
+    "verify_resume": ".verify",
 }
 
 
@@ -124,10 +129,14 @@ __all__ = [
     "TokenBatchLoader",
     "UnbrokenError",
     "UnsafeCheckpointError",
+    "VerifyError",
+    "VerifyReport",
     "WarmupCosine",
     "WordVocab",
     "__version__",
+    "compare_runs",
     "init_distributed",
     "read_metrics",
     "seed_everything",
+    "verify_resume",
 ]

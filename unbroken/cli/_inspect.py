@@ -15,13 +15,13 @@ import sys
 import time
 import warnings
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._exit import EXIT_NO_CHECKPOINT, EXIT_OK, EXIT_USAGE
-from ..state import _tree
-from ..store import CheckpointReader, CheckpointStore, _layout
-from ..store._manifest import MANIFEST
+
+if TYPE_CHECKING:  # imported where used: `unbroken --help` must not import torch
+    from ..store import CheckpointReader, CheckpointStore
 
 LS_EPILOG = """exit codes: 0 at least one valid checkpoint, 3 none (or no run directory)
 
@@ -107,6 +107,8 @@ def ls(args: argparse.Namespace) -> int:
 
 
 def _run_store(run_dir: str) -> CheckpointStore:
+    from ..store import CheckpointStore
+
     if not os.path.isdir(run_dir):
         raise CheckpointNotFoundError(f"{run_dir} is not a directory")
     return CheckpointStore(run_dir)
@@ -141,6 +143,8 @@ def _print_ls(store: CheckpointStore, rows: list[dict[str, Any]]) -> None:
 
 def _stale(root: str) -> int:
     try:
+        from ..store import _layout
+
         return sum(1 for name in os.listdir(root) if _layout.transient(name))
     except OSError:
         return 0
@@ -183,6 +187,9 @@ def inspect(args: argparse.Namespace) -> int:
 
 
 def _open(path: str, step: int | None, *, checksums: bool) -> CheckpointReader:
+    from ..store import CheckpointReader, CheckpointStore, _layout
+    from ..store._manifest import MANIFEST
+
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(f"{path} is not a directory")
     name = os.path.basename(os.path.normpath(path))
@@ -207,6 +214,8 @@ def _open(path: str, step: int | None, *, checksums: bool) -> CheckpointReader:
 
 def describe(reader: CheckpointReader) -> dict[str, Any]:
     """Everything ``inspect`` shows, as JSON-ready values (no tensor data is read)."""
+    from ..state import _tree
+
     m = reader.manifest
     infos = reader.tensor_infos()
     trees = reader.global_trees()
@@ -260,6 +269,8 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
 
 
 def _decode(tree: Any) -> Any:
+    from ..state import _tree
+
     try:
         return _tree.join(tree, {})
     except CorruptCheckpointError:

@@ -26,6 +26,7 @@ class CheckpointReader:
                 "must not be renamed"
             )
         self._infos: dict[str, TensorInfo] | None = None
+        self._metadata: Any = None
 
     @property
     def world_size(self) -> int:
@@ -75,11 +76,12 @@ class CheckpointReader:
 
     def tensor_infos(self) -> dict[str, TensorInfo]:
         if self._infos is None:
-            self._infos = _dcpio.tensor_infos(_dcpio.read_metadata(self.path))
+            self._metadata = _dcpio.read_metadata(self.path)
+            self._infos = _dcpio.tensor_infos(self._metadata)
         return self._infos
 
     def load_tensors(self, targets: dict[str, torch.Tensor]) -> None:
-        _dcpio.load_tensors(self.path, targets)
+        _dcpio.load_tensors(self.path, targets, self._metadata)
 
     def size_bytes(self) -> int:
         return sum(int(r["size"]) for r in self.manifest["files"].values())

@@ -29,7 +29,8 @@ def plan_interrupts(k: int, seed: int, total: int, save_steps: Sequence[int]) ->
     """K moments drawn from ``seed``, in step order; with K >= 2 one is a SIGKILL inside a save.
 
     Moments come after the first checkpoint when there is room (an earlier kill only restarts
-    from scratch); step targets alternate SIGKILL, SIGTERM, ...
+    from scratch); step targets alternate SIGKILL, SIGTERM, ... A moment is a target, not a
+    promise: a fast run may be a step or two further when the signal lands, or done.
     """
     if k <= 0 or total < 2:
         return []
@@ -42,9 +43,11 @@ def plan_interrupts(k: int, seed: int, total: int, save_steps: Sequence[int]) ->
         save_target = rng.choice(later or list(save_steps))
     n_steps = k - (save_target is not None)
     pool = [t for t in range(lo, total) if t != save_target]
-    if save_target is not None:
-        # A signal just before the save target would carry the run past it before it starts.
-        spaced = [t for t in pool if not save_target - 2 <= t <= save_target]
+    # Where there is room, keep signals off the last two steps (a fast run may finish before
+    # the signal lands) and off the two steps before the save target (they would carry the
+    # run past it).
+    for near in (range(total - 2, total), range((save_target or 0) - 2, (save_target or 0) + 1)):
+        spaced = [t for t in pool if t not in near]
         pool = spaced if len(spaced) >= n_steps else pool
     n_steps = min(n_steps, len(pool))
     steps = sorted(rng.sample(pool, n_steps))

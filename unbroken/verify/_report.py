@@ -88,7 +88,7 @@ class VerifyReport:
 
     def summary(self) -> str:
         """The human-readable report (what ``unbroken verify`` prints)."""
-        kills = self.interruptions
+        kills = [i for i in self.interruptions if i.exit_code != 0]  # not those too late
         how = ", ".join(f"{i.signal} at {i.moment}" for i in kills) or "none"
         saves = sum(i.during_save for i in kills)
         lines = []

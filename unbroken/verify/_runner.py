@@ -248,6 +248,10 @@ class _Session:
                     Interruption(out.launches, sig, hit.moment, at, code, during)
                 )
                 label += f"SIG{hit.signal} at {hit.moment}, "
+                if code == EXIT_OK:
+                    out.notes.append(
+                        f"SIG{hit.signal} at {hit.moment} came too late: the run had completed"
+                    )
             self.say(label + _exit_text(code, at, leftover))
             if code == EXIT_OK:
                 break

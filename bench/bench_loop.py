@@ -1,0 +1,333 @@
+"""What unbroken costs a training loop: per-step overhead, and throughput with periodic saves.
+
+    .venv/bin/python bench/bench_loop.py [--quick] [--repeats N]
+
+Part 1, per-step overhead: the same small MLP (1.3 M parameters, batch 64: steps of ~5-20 ms
+on a small CPU) trained by
+
+  hand      a hand-written loop over a ``torch.utils.data.DataLoader``
+  unbroken  ``unbroken.Run`` + ``unbroken.DataLoader`` (``run.epochs``, ``run.step(loss=loss)``,
+            metrics log and signal handlers on, no saves)
+
+Each repeat runs a block of steps of each variant (interleaved, order alternating); a step's
+time is the time between two step ends, the first steps of a block are dropped, and the table
+shows the median step of each block, then the median over blocks. Target: overhead <= 2%.
+
+Part 2, throughput with saves: a wider MLP with ~200 MB of state (model + Adam), trained for
+``--steps`` steps with ``Run``: no saves, a durable save every ``--save-every`` steps (sync),
+and the same with ``async_save=True`` (the time includes waiting for the last background save
+to commit). Throughput is steps / wall time; variants interleaved, medians. Target: async >=
+0.97x no saves.
+
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.data as tud
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import unbroken  # noqa: E402
+
+OVERHEAD_TARGET = 0.02
+ASYNC_TARGET = 0.97
+
+
+def mlp(dims: list[int]) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for a, b in zip(dims[:-1], dims[1:], strict=False):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def dataset(n: int, dim: int, classes: int) -> tud.TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return tud.TensorDataset(torch.randn(n, dim, generator=g), torch.randint(classes, (n,)))
+
+
+def train_step(model: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    loss = F.cross_entropy(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+# ---- part 1: per-step overhead ----------------------------------------------------------------
+
+
+def block_hand(dims: list[int], data: tud.Dataset, batch: int, steps: int, skip: int) -> float:
+    torch.manual_seed(0)
+    model = mlp(dims)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = tud.DataLoader(
+        data, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
+    ends: list[float] = []
+    while len(ends) < steps + 1:
+        for x, y in loader:
+            train_step(model, opt, x, y)
+            ends.append(time.perf_counter())
+            if len(ends) == steps + 1:
+                break
+    return statistics.median(b - a for a, b in zip(ends[skip:-1], ends[skip + 1 :], strict=True))
+
+
+def block_unbroken(
+    dims: list[int],
+    data: tud.Dataset,
+    batch: int,
+    steps: int,
+    skip: int,
+    root: str,
+    reseed_globals: bool = True,
+) -> float:
+    torch.manual_seed(0)
+    model = mlp(dims)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = unbroken.DataLoader(data, batch, seed=0, reseed_globals=reseed_globals)
+    run_dir = tempfile.mkdtemp(prefix="overhead-", dir=root)
+    ends: list[float] = []
+    with unbroken.Run(
+        run_dir, model=model, optimizer=opt, loader=loader, save_final=False, progress=False
+    ) as run:
+        for _ in run.epochs(10**6):
+            for x, y in loader:
+                loss = train_step(model, opt, x, y)
+                run.step(loss=loss)
+                ends.append(time.perf_counter())
+                if len(ends) == steps + 1:
+                    break
+            if len(ends) == steps + 1:
+                break
+        run.finish()
+    shutil.rmtree(run_dir)
+    return statistics.median(b - a for a, b in zip(ends[skip:-1], ends[skip + 1 :], strict=True))
+
+
+# ---- part 2: throughput with saves ------------------------------------------------------------
+
+
+def throughput(
+    mode: str,
+    dims: list[int],
+    data: tud.Dataset,
+    batch: int,
+    steps: int,
+    save_every: int,
+    root: str,
+) -> dict[str, float]:
+    torch.manual_seed(0)
+    model = mlp(dims)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    loader = unbroken.DataLoader(data, batch, seed=0)
+    run_dir = tempfile.mkdtemp(prefix=f"{mode}-", dir=root)
+    run = unbroken.Run(
+        run_dir,
+        model=model,
+        optimizer=opt,
+        loader=loader,
+        save_every=None if mode == "none" else save_every,
+        async_save=mode == "async",
+        save_final=False,
+        progress=False,
+    )
+    # One untimed step first: Adam's state (half of the checkpoint) exists from here on.
+    done = 0
+    t0 = 0.0
+    blocking: list[float] = []
+    for _ in run.epochs(10**6):
+        for x, y in loader:
+            loss = train_step(model, opt, x, y)
+            s0 = time.perf_counter()
+            run.step(loss=loss)
+            if run.last_saved_step == run.counters.step and done:
+                blocking.append(time.perf_counter() - s0)
+            done += 1
+            if done == 1:
+                t0 = time.perf_counter()
+            if done == steps + 1:
+                break
+        if done == steps + 1:
+            break
+    run.wait()
+    took = time.perf_counter() - t0
+    run.close()
+    shutil.rmtree(run_dir)
+    return {
+        "steps_per_s": steps / took,
+        "save_blocking_s": statistics.median(blocking) if blocking else 0.0,
+    }
+
+
+def state_mb(dims: list[int]) -> float:
+    params = sum(a * b + b for a, b in zip(dims[:-1], dims[1:], strict=False))
+    return params * 4 * 3 / 1e6  # weights + Adam's two moments, float32
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer steps, a smaller model, 3 repeats")
+    p.add_argument("--repeats", type=int, default=None, help="default 7 (3 with --quick)")
+    p.add_argument("--steps", type=int, default=None, help="part 2 steps per run (default 100)")
+    p.add_argument("--save-every", type=int, default=20)
+    p.add_argument("--dir", default=None, help="where run directories go (default /tmp)")
+    p.add_argument("--skip-overhead", action="store_true")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's); 1 is steadier on a busy machine",
+    )
+    p.add_argument("--skip-throughput", action="store_true")
+    a = p.parse_args()
+    repeats = a.repeats or (3 if a.quick else 7)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    root = tempfile.mkdtemp(prefix="unbroken-bench-loop-", dir=a.dir)
+    load_before = os.getloadavg()[0]
+    result: dict[str, Any] = {"bench": "loop", "cpus": os.cpu_count(), "repeats": repeats}
+    ok: dict[str, bool] = {}
+    try:
+        if not a.skip_overhead:
+            dims = [256, 1024, 1024, 10]
+            batch, steps, skip = 64, (60 if a.quick else 150), 10
+            data = dataset(batch * 400, dims[0], dims[-1])
+            variants = {
+                "hand": lambda: block_hand(dims, data, batch, steps, skip),
+                "unbroken": lambda: block_unbroken(dims, data, batch, steps, skip, root),
+                "unbroken_no_reseed": lambda: block_unbroken(
+                    dims, data, batch, steps, skip, root, reseed_globals=False
+                ),
+            }
+            keys = list(variants)
+            block_hand(dims, data, batch, 20, 5)  # warm-up: allocator, kernels, imports
+            block_unbroken(dims, data, batch, 20, 5, root)
+            per: dict[str, list[float]] = {k: [] for k in keys}
+            for r in range(repeats):
+                s = r % len(keys)
+                for k in keys[s:] + keys[:s]:
+                    per[k].append(variants[k]())
+                print(
+                    f"overhead repeat {r + 1}/{repeats}: "
+                    + ", ".join(f"{k} {per[k][-1] * 1e3:.2f} ms" for k in keys),
+                    flush=True,
+                )
+            med = {k: statistics.median(v) for k, v in per.items()}
+            overhead = med["unbroken"] / med["hand"] - 1
+            # The same ratio within each repeat (adjacent blocks), to show how noisy it is.
+            pairs = sorted(u / h - 1 for h, u in zip(per["hand"], per["unbroken"], strict=True))
+            result["overhead"] = {
+                "model_params": sum(a * b + b for a, b in zip(dims[:-1], dims[1:], strict=False)),
+                "batch": batch,
+                "steps_per_block": steps,
+                "median_ms": {k: round(v * 1e3, 3) for k, v in med.items()},
+                "overhead": round(overhead, 4),
+                "overhead_no_reseed": round(med["unbroken_no_reseed"] / med["hand"] - 1, 4),
+                "per_repeat_overhead_range": [round(pairs[0], 4), round(pairs[-1], 4)],
+                "target": OVERHEAD_TARGET,
+            }
+            ok["overhead"] = overhead <= OVERHEAD_TARGET
+        if not a.skip_throughput:
+            dims = [1024, 2048, 2048, 2048, 2048, 10] if not a.quick else [512, 1024, 1024, 10]
+            batch = 32
+            steps = a.steps or (40 if a.quick else 100)
+            every = a.save_every if not a.quick else 10
+            data = dataset(batch * 200, dims[0], dims[-1])
+            modes = ["none", "sync", "async"]
+            throughput("async", dims, data, batch, every + 2, every, root)  # warm-up
+            tp: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+            for r in range(repeats):
+                s = r % len(modes)
+                for m in modes[s:] + modes[:s]:
+                    tp[m].append(throughput(m, dims, data, batch, steps, every, root))
+                print(
+                    f"throughput repeat {r + 1}/{repeats}: "
+                    + ", ".join(f"{m} {tp[m][-1]['steps_per_s']:.2f} steps/s" for m in modes),
+                    flush=True,
+                )
+            med = {m: {k: statistics.median(x[k] for x in v) for k in v[0]} for m, v in tp.items()}
+            none = med["none"]["steps_per_s"]
+            result["throughput"] = {
+                "state_mb": round(state_mb(dims), 1),
+                "batch": batch,
+                "steps": steps,
+                "save_every": every,
+                "steps_per_s": {m: round(v["steps_per_s"], 3) for m, v in med.items()},
+                "save_blocking_s": {m: round(v["save_blocking_s"], 4) for m, v in med.items()},
+                "sync_over_none": round(med["sync"]["steps_per_s"] / none, 3),
+                "async_over_none": round(med["async"]["steps_per_s"] / none, 3),
+                "target_async_over_none": ASYNC_TARGET,
+            }
+            ok["async_throughput"] = med["async"]["steps_per_s"] / none >= ASYNC_TARGET
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    load_after = os.getloadavg()[0]
+    result["load_average"] = [round(load_before, 2), round(load_after, 2)]
+    result["when"] = time.strftime("%Y-%m-%d %H:%M", time.localtime())
+    result["torch_threads"] = torch.get_num_threads()
+    result["ok"] = ok
+    print()
+    print(
+        f"{result['when']}; {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads; "
+        f"load average {load_before:.2f} before, {load_after:.2f} after; {repeats} repeats, "
+        "interleaved, medians"
+    )
+    print()
+    if "overhead" in result:
+        o = result["overhead"]
+        ms = o["median_ms"]
+        print("| per-step time, small MLP | ms/step | vs hand |")
+        print("| --- | ---: | ---: |")
+        print(f"| hand-written loop, torch DataLoader | {ms['hand']:.3f} | - |")
+        print(
+            f"| unbroken.Run + unbroken.DataLoader (default) | {ms['unbroken']:.3f} | "
+            f"{o['overhead']:+.2%} |"
+        )
+        print(
+            "| unbroken.Run + unbroken.DataLoader(reseed_globals=False) | "
+            f"{ms['unbroken_no_reseed']:.3f} | {o['overhead_no_reseed']:+.2%} |"
+        )
+        lo, hi = o["per_repeat_overhead_range"]
+        print()
+        print(
+            f"Overhead target <= {OVERHEAD_TARGET:.0%}; default overhead per repeat "
+            f"{lo:+.1%} .. {hi:+.1%}."
+        )
+        print()
+    if "throughput" in result:
+        t = result["throughput"]
+        print(
+            f"| training, {t['state_mb']:.0f} MB state, save every {t['save_every']} | steps/s | "
+            "vs no saves | blocking per save |"
+        )
+        print("| --- | ---: | ---: | ---: |")
+        names = {"none": "no saves", "sync": "sync saves", "async": "async saves"}
+        for m in ("none", "sync", "async"):
+            sps = t["steps_per_s"][m]
+            blk = t["save_blocking_s"][m]
+            print(
+                f"| {names[m]} | {sps:.2f} | {sps / t['steps_per_s']['none']:.3f}x | "
+                + (f"{blk * 1e3:.0f} ms |" if m != "none" else "- |")
+            )
+        print()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
