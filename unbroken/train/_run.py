@@ -131,25 +131,37 @@ class Run:
             self._progress = Progress(self.config.max_steps, self.counters.step)
 
     def _choose_checkpoint(self) -> CheckpointReader | None:
-        want = self.config.resume
-        step: int | None = None
+        """Rank 0 picks (and verifies) the checkpoint; every rank opens the same step."""
+        choice: tuple[int | None, str | None] = (None, None)
         if self.rank == 0:
-            if want is False:
-                if self.store.listing(checksums=False):
-                    raise ConfigError(
-                        f"resume=False but {self.store.root} already holds checkpoints; "
-                        "use another run directory or resume=True"
-                    )
-            elif want is True:
-                latest = self.store.latest(checksums=self.config.verify_checksums)
-                step = latest.step if latest is not None else None
-            else:
-                step = self.store.open(int(want), checksums=self.config.verify_checksums).step
-                self.store.supersede_newer(step)
-        step = _dist.broadcast_object(step)
+            try:
+                choice = (self._pick_step(), None)
+            except Exception as e:
+                if self.world_size == 1:
+                    raise
+                choice = (None, f"{type(e).__name__}: {e}")  # told to every rank, then raised
+        step, error = _dist.broadcast_object(choice)
+        if error is not None:
+            raise ConfigError(f"choosing the checkpoint to resume from failed on rank 0: {error}")
         if step is None:
             return None
         return self.store.open(step, checksums=False)
+
+    def _pick_step(self) -> int | None:
+        want = self.config.resume
+        if want is False:
+            if self.store.listing(checksums=False):
+                raise ConfigError(
+                    f"resume=False but {self.store.root} already holds checkpoints; "
+                    "use another run directory or resume=True"
+                )
+            return None
+        if want is True:
+            latest = self.store.latest(checksums=self.config.verify_checksums)
+            return latest.step if latest is not None else None
+        step = self.store.open(int(want), checksums=self.config.verify_checksums).step
+        self.store.supersede_newer(step)
+        return step
 
     def _restore(self, reader: CheckpointReader) -> None:
         trees = reader.global_trees()
