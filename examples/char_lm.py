@@ -15,7 +15,6 @@ What unbroken adds to a plain PyTorch loop is marked ``# unbroken``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 from pathlib import Path
@@ -23,7 +22,6 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
 import unbroken  # unbroken
 
@@ -158,17 +156,9 @@ def main() -> int:
 
     if rank != 0:
         return 0
-    weights = {f"model.{k}": v for k, v in model.state_dict().items()}
-    weights |= {f"ema.{k}": v for k, v in ema.shadow.items()}
-    save_file(
-        {k: v.contiguous() for k, v in weights.items()},
-        os.path.join(a.run_dir, "final.safetensors"),
-    )
-    keys = ("step", "epoch", "loss", "lr", "batch_size", "samples")
-    with open(os.path.join(a.run_dir, "trace.jsonl"), "w") as f:
-        for rec in unbroken.read_metrics(a.run_dir):
-            f.write(json.dumps({k: rec[k] for k in keys}) + "\n")
-    print(f"done: {run.counters.step} steps, final loss {rec['loss']:.4f}", flush=True)
+    unbroken.export_weights(os.path.join(a.run_dir, "final.safetensors"), model=model, ema=ema)
+    trace = unbroken.write_trace(a.run_dir)  # RUN/trace.jsonl: step, epoch, loss, lr, ...
+    print(f"done: {run.counters.step} steps, final loss {trace[-1]['loss']:.4f}", flush=True)
     return 0
 
 

@@ -20,7 +20,6 @@ What unbroken adds to a plain PyTorch loop is marked ``# unbroken``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import signal
@@ -30,7 +29,6 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
 import unbroken  # unbroken
 from unbroken.data import CharVocab, TextCorpus, TokenBatchLoader, WordVocab  # unbroken
@@ -221,21 +219,13 @@ def main() -> int:
         if a.signal_at is not None and run.counters.step == a.signal_at:
             os.kill(os.getpid(), getattr(signal, "SIG" + a.signal))
 
-    weights = {f"model.{k}": v for k, v in model.state_dict().items()}
-    weights |= {f"ema.{k}": v for k, v in ema.shadow.items()}
-    save_file(
-        {k: v.contiguous() for k, v in weights.items()},
-        os.path.join(a.run_dir, "final.safetensors"),
-    )
-    keys = ("step", "epoch", "loss", "lr", "batch_size", "samples")
-    with open(os.path.join(a.run_dir, "trace.jsonl"), "w") as f:
-        for rec in unbroken.read_metrics(a.run_dir):
-            f.write(json.dumps({k: rec[k] for k in keys}) + "\n")
+    unbroken.export_weights(os.path.join(a.run_dir, "final.safetensors"), model=model, ema=ema)
+    trace = unbroken.write_trace(a.run_dir)
     model.eval()
     with ema.applied():
         source = text.text(0)[0]
         guess = tgt_vocab.decode(model.translate(src_vocab.encode(source)))
-    print(f"done: {run.counters.step} steps, final loss {rec['loss']:.4f}", flush=True)
+    print(f"done: {run.counters.step} steps, final loss {trace[-1]['loss']:.4f}", flush=True)
     print(f"  {source}\n  -> {guess}", flush=True)
     return 0
 

@@ -17,14 +17,12 @@ batch_size, samples per optimizer step), exit 0 when complete and 75 when stoppe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
 import unbroken
 
@@ -129,7 +127,9 @@ def main() -> int:
         return None
 
     settings = unbroken.Settings(
-        lr=unbroken.WarmupCosine(peak=3e-3, total=a.steps, warmup=10, final=1e-4),
+        lr=unbroken.WarmupCosine(
+            peak=3e-3, total=a.steps, warmup=min(10, a.steps // 4), final=1e-4
+        ),
         batch_size=unbroken.StepTable({0: 16, 40: 32, 80: 64}),
         grad_accum=unbroken.EpochTable({0: 1, 3: 2}),
         clip=1.0,
@@ -172,16 +172,9 @@ def main() -> int:
         samples.clear()
         total = 0.0
 
-    weights = {f"model.{k}": v for k, v in run.model.state_dict().items()}
-    weights |= {f"ema.{k}": v for k, v in run.ema.shadow.items()}
-    save_file(
-        {k: v.contiguous() for k, v in weights.items()},
-        os.path.join(a.run_dir, "final.safetensors"),
-    )
-    keys = ("step", "epoch", "loss", "lr", "batch_size", "samples")
-    with open(os.path.join(a.run_dir, "trace.jsonl"), "w") as f:
-        for rec in unbroken.read_metrics(a.run_dir):
-            f.write(json.dumps({k: rec[k] for k in keys}) + "\n")
+    final = os.path.join(a.run_dir, "final.safetensors")
+    unbroken.export_weights(final, model=run.model, ema=run.ema)
+    unbroken.write_trace(a.run_dir)
     return 0
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import subprocess
-import types
 import sys
+import types
 
 import unbroken
 from tests.golden import ROOT

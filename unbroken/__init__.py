@@ -49,7 +49,9 @@ if TYPE_CHECKING:
         StepContext,
         StepTable,
         WarmupCosine,
+        export_weights,
         read_metrics,
+        write_trace,
     )
     from .verify import VerifyError, VerifyReport, compare_runs, verify_resume
 
@@ -78,10 +80,12 @@ _LAZY = {
     "WarmupCosine": ".train",
     "WordVocab": ".data",
     "compare_runs": ".verify",
+    "export_weights": ".train",
     "init_distributed": "._launch",
     "read_metrics": ".train",
     "seed_everything": ".data",
     "verify_resume": ".verify",
+    "write_trace": ".train",
 }
 
 
@@ -135,8 +139,10 @@ __all__ = [
     "WordVocab",
     "__version__",
     "compare_runs",
+    "export_weights",
     "init_distributed",
     "read_metrics",
     "seed_everything",
     "verify_resume",
+    "write_trace",
 ]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import signal
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .._exit import EXIT_FAILURE, EXIT_OK, EXIT_RESUMABLE
+from .._logfile import last_logged_step, read_metrics
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "char_lm.py"
 
@@ -110,35 +110,16 @@ def _train(script: Path, common: list[str], run_dir: Path, plan: list[tuple[int,
         if code != expected and not (sig and code == 0):
             raise SystemExit(f"unbroken demo: training exited {code} unexpectedly:\n{err[-3000:]}")
         label = "completed" if code == 0 else f"exit {code}"
-        print(
-            f"      launch {len(outcome.attempts)}: {label} after {_last_step(run_dir)} steps",
-            flush=True,
-        )
+        origin = "fresh start" if resumed is None else f"resumed at step {resumed}"
+        at = last_logged_step(run_dir)
+        print(f"      launch {len(outcome.attempts)}: {origin}, {label} at step {at}", flush=True)
     outcome.seconds = time.perf_counter() - t0
     return outcome
 
 
 def _wait_for_step(run_dir: Path, target: int, proc: subprocess.Popen[str]) -> None:
-    while proc.poll() is None and _last_step(run_dir) < target:
+    while proc.poll() is None and last_logged_step(run_dir) < target:
         time.sleep(0.05)
-
-
-def _last_step(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - 4096))
-            lines = f.read().splitlines()
-    except OSError:
-        return 0
-    for line in reversed(lines):
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a line being written
-        if "step" in rec and "event" not in rec:
-            return int(rec["step"])
-    return 0
 
 
 def compare(ref_dir: Path, other_dir: Path) -> dict[str, Any]:
@@ -179,8 +160,7 @@ def _trace(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _events(run_dir: Path) -> list[dict[str, Any]]:
-    with open(run_dir / "metrics.jsonl") as f:
-        return [r for r in map(json.loads, f) if "event" in r]
+    return [r for r in read_metrics(run_dir, events=True) if "event" in r]
 
 
 def _print_table(r: dict[str, Any], ref: Outcome, inter: Outcome) -> None:

@@ -17,9 +17,6 @@ Either way augmentation is identical for any ``num_workers`` and any resume poin
 
 from __future__ import annotations
 
-import atexit
-import signal
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +27,7 @@ import torch.utils.data as tud
 
 from .. import _dist
 from .._errors import ConfigError, DataError
-from . import _seeding
+from . import _seeding, _workers
 
 LOADER_VERSION = 1
 
@@ -106,30 +103,6 @@ class _SeededFetch(tud.Dataset[Any]):
         return len(self.dataset)
 
 
-class _WorkerInit:
-    """Workers ignore the stop signals: the main process finishes the step and saves."""
-
-    def __init__(self, user_fn: Callable[[int], None] | None) -> None:
-        self.user_fn = user_fn
-
-    def __call__(self, worker_id: int) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, signal.SIG_IGN)
-        if self.user_fn is not None:
-            self.user_fn(worker_id)
-
-
-_LIVE: weakref.WeakSet[DataLoader] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_all() -> None:
-    # Runs before multiprocessing's own exit hook, which would SIGTERM the workers -- a signal
-    # they ignore (see _WorkerInit) -- and then wait for them forever.
-    for loader in list(_LIVE):
-        loader.close()
-
-
 class DataLoader:
     """Resumable loader over a map-style dataset; track it like any component.
 
@@ -199,28 +172,24 @@ class DataLoader:
         # iter() move on. A pass that starts on a finished epoch (just loaded or set_epoch'd)
         # yields nothing, so the consumer sees that epoch end exactly as an uninterrupted one did.
         self._ended = False
-        self._inner = tud.DataLoader(
+        self._inner = _workers.inner_loader(
+            self,
             _SeededFetch(dataset, self.seed, reseed_globals),
-            batch_sampler=_Batches(self),
+            _Batches(self),
+            seed=self.seed,
             num_workers=num_workers,
             collate_fn=collate_fn,
             pin_memory=pin_memory,
-            persistent_workers=persistent_workers and num_workers > 0,
+            persistent_workers=persistent_workers,
             prefetch_factor=prefetch_factor,
-            worker_init_fn=_WorkerInit(worker_init_fn),
+            worker_init_fn=worker_init_fn,
             multiprocessing_context=multiprocessing_context,
             timeout=timeout,
-            # Its own generator: creating an iterator must not draw from the global stream.
-            generator=torch.Generator().manual_seed(self.seed),
         )
-        _LIVE.add(self)
 
     def close(self) -> None:
         """Shut down persistent worker processes (a later iteration starts new ones)."""
-        it = getattr(self._inner, "_iterator", None)
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
-        self._inner._iterator = None
+        _workers.shutdown(self._inner)
 
     # ---- configuration ------------------------------------------------------------------------
 

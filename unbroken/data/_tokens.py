@@ -28,23 +28,19 @@ possible when a sample is longer than ``max_tokens / W``) is skipped on every ra
 
 from __future__ import annotations
 
-import atexit
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
-import torch
 import torch.utils.data as tud
 
 from .. import _dist
 from .._errors import ConfigError, DataError
-from . import _seeding
+from . import _seeding, _workers
 from ._corpus import EpochOrder
-from ._loader import _WorkerInit
 from ._windows import WindowFetch, cut_window, longest_field
 
 TOKENS_VERSION = 1
@@ -87,17 +83,6 @@ class _Batches:
         plan = self._loader._plan
         assert plan is not None, "the loader sets a plan before iterating"
         return self._loader._stream(plan)
-
-
-_LIVE: weakref.WeakSet[TokenBatchLoader] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_all() -> None:
-    # Before multiprocessing's exit hook, which would wait forever for workers that ignore
-    # SIGTERM (see unbroken.data._loader).
-    for loader in list(_LIVE):
-        loader.close()
 
 
 class TokenBatchLoader:
@@ -182,27 +167,24 @@ class TokenBatchLoader:
         """Process-local counters (not saved): batches, global samples, windows cut, samples
         left out as too long."""
         self._fetch = WindowFetch(dataset, self.seed, reseed_globals, keep=num_workers == 0)
-        self._inner = tud.DataLoader(
+        self._inner = _workers.inner_loader(
+            self,
             self._fetch,
-            batch_sampler=_Batches(self),
+            _Batches(self),
+            seed=self.seed,
             num_workers=num_workers,
             collate_fn=collate_fn or list,
             pin_memory=pin_memory,
-            persistent_workers=persistent_workers and num_workers > 0,
+            persistent_workers=persistent_workers,
             prefetch_factor=prefetch_factor,
-            worker_init_fn=_WorkerInit(worker_init_fn),
+            worker_init_fn=worker_init_fn,
             multiprocessing_context=multiprocessing_context,
             timeout=timeout,
-            generator=torch.Generator().manual_seed(self.seed),  # draws nothing global
         )
-        _LIVE.add(self)
 
     def close(self) -> None:
         """Shut down persistent worker processes (a later iteration starts new ones)."""
-        it = getattr(self._inner, "_iterator", None)
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
-        self._inner._iterator = None
+        _workers.shutdown(self._inner)
 
     # ---- configuration ------------------------------------------------------------------------
 

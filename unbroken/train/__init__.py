@@ -1,6 +1,7 @@
 """Train layer: the run, its triggers, signals, metrics log, settings, callbacks and stages."""
 
 from ._config import RunConfig
+from ._export import export_weights, write_trace
 from ._loop import StepContext
 from ._metrics import read_metrics
 from ._run import Run
@@ -27,5 +28,7 @@ __all__ = [
     "StepContext",
     "StepTable",
     "WarmupCosine",
+    "export_weights",
     "read_metrics",
+    "write_trace",
 ]

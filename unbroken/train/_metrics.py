@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-METRICS_FILE = "metrics.jsonl"
+from .._logfile import METRICS_FILE, read_metrics
+
+__all__ = ["METRICS_FILE", "MetricsLog", "read_metrics"]
 
 
 class MetricsLog:
@@ -63,18 +65,6 @@ def _plain(v: Any) -> Any:
         except (TypeError, ValueError):
             return v
     return v
-
-
-def read_metrics(run_dir: str, *, events: bool = False) -> list[dict[str, Any]]:
-    """The step records of a run's metrics log, in order (``events=True`` keeps resume marks)."""
-    path = os.path.join(run_dir, METRICS_FILE)
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            rec = json.loads(line)
-            if events or "event" not in rec:
-                out.append(rec)
-    return out
 
 
 def is_finite(x: Any) -> bool:

@@ -13,7 +13,6 @@ cluster's preemption would. Moments are watched from outside: a step target fire
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -27,6 +26,7 @@ from typing import IO, Any
 
 from .._errors import ConfigError
 from .._exit import EXIT_OK, EXIT_RESUMABLE
+from .._logfile import last_logged_step
 from ..store import _layout
 from ._compare import compare_runs
 from ._errors import ScriptFailedError, VerifyError
@@ -207,7 +207,7 @@ class _Session:
                 f"with {PLACEHOLDER} in its arguments or read os.environ[{ENV_RUN_DIR!r}], and "
                 f"pass that to unbroken.Run; log: {log.name}"
             )
-        total = max(_last_step(run_dir), save_steps[-1])
+        total = max(last_logged_step(run_dir), save_steps[-1])
         steps = ", ".join(map(str, save_steps))
         took = time.perf_counter() - t0
         self.say(f"reference: {total} steps, checkpoints at {steps} ({took:.1f} s)")
@@ -237,7 +237,7 @@ class _Session:
             finally:
                 _reap(proc)
             fired = hit is not None
-            at = _last_step(run_dir)
+            at = last_logged_step(run_dir)
             leftover = _leftover_save(run_dir)
             label = f"launch {out.launches}: "
             if hit is not None and target is not None:
@@ -411,24 +411,5 @@ class _StepProbe:
             return _latest_committed(os.path.dirname(self.path))
         if size != self._size:
             self._size = size
-            self._last = _last_step(os.path.dirname(self.path))
+            self._last = last_logged_step(os.path.dirname(self.path))
         return self._last
-
-
-def _last_step(run_dir: str) -> int:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - 8192))
-            lines = f.read().splitlines()
-    except OSError:
-        return 0
-    for line in reversed(lines):
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a line being written
-        if isinstance(rec, dict) and "event" not in rec and isinstance(rec.get("step"), int):
-            return int(rec["step"])
-    return 0
