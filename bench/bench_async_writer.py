@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_loop import dataset, mlp, train_step  # noqa: E402
+from bench_loop import dataset, mlp, rates, train_step  # noqa: E402
 
 from unbroken.state import Payload, Registry  # noqa: E402
 from unbroken.store import AsyncSaver, CheckpointStore  # noqa: E402
@@ -136,7 +136,7 @@ def one_run(
     proc_saver = ProcessSaver(reg, run_dir) if mode == "process" else None
     blocking: list[float] = []
     totals: list[float] = []
-    t0 = time.perf_counter()
+    ends = [time.perf_counter()]
     for i in range(1, steps + 1):
         step()
         if mode != "none" and i % every == 0:
@@ -148,21 +148,20 @@ def one_run(
             blocking.append(time.perf_counter() - s0)
             if thread_saver is not None and i > every:
                 totals.append(thread_saver.last_total_seconds)
+        ends.append(time.perf_counter())
     if thread_saver is not None:
         thread_saver.wait()
         totals.append(thread_saver.last_total_seconds)
     if proc_saver is not None:
         proc_saver.wait()
         totals = proc_saver.totals
-    took = time.perf_counter() - t0
+    took = time.perf_counter() - ends[0]
     if proc_saver is not None:
         proc_saver.close()
     shutil.rmtree(run_dir)
-    return {
-        "steps_per_s": steps / took,
-        "blocking_s": statistics.median(blocking) if blocking else 0.0,
-        "save_s": statistics.median(totals) if totals else 0.0,
-    }
+    out = rates(ends, took, blocking)
+    out["save_s"] = statistics.median(totals) if totals else 0.0
+    return out
 
 
 def main() -> None:
@@ -203,6 +202,7 @@ def main() -> None:
     load_after = os.getloadavg()[0]
     med = {m: {k: statistics.median(x[k] for x in v) for k in v[0]} for m, v in res.items()}
     none = med["none"]["steps_per_s"]
+    eff = {m: d["efficiency"] / med["none"]["efficiency"] for m, d in med.items()}
     params = sum(a * b + b for a, b in zip(dims[:-1], dims[1:], strict=False))
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime())
     print()
@@ -212,14 +212,24 @@ def main() -> None:
         f"save every {every} of {steps} steps; {repeats} repeats, interleaved, medians"
     )
     print()
-    print("| background writer | steps/s | vs no saves | blocking per save | save (background) |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print(
+        "| background writer | steps/s | vs no saves | efficiency vs no saves | "
+        "blocking per save | save (background) |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for m in modes:
         d = med[m]
         extra = (
-            "- | - |" if m == "none" else f"{d['blocking_s'] * 1e3:.0f} ms | {d['save_s']:.2f} s |"
+            "- | - |"
+            if m == "none"
+            else f"{d['save_blocking_s'] * 1e3:.0f} ms | {d['save_s']:.2f} s |"
         )
-        print(f"| {m} | {d['steps_per_s']:.2f} | {d['steps_per_s'] / none:.3f}x | {extra}")
+        print(
+            f"| {m} | {d['steps_per_s']:.2f} | {d['steps_per_s'] / none:.3f}x | "
+            f"{eff[m]:.3f}x | {extra}"
+        )
+    print()
+    print("Efficiency: steps x the run's median step / wall time (bench_loop.rates).")
     print()
     better = (
         "thread" if med["thread"]["steps_per_s"] >= med["process"]["steps_per_s"] else "process"
@@ -240,6 +250,7 @@ def main() -> None:
         "thread_over_process": round(
             med["thread"]["steps_per_s"] / med["process"]["steps_per_s"], 3
         ),
+        "efficiency_over_none": {m: round(v, 3) for m, v in eff.items()},
         "better": better,
     }
     print(json.dumps(result))

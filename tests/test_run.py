@@ -727,3 +727,25 @@ def test_second_run_in_the_same_process_gets_a_lock_error(tmp_path, runs):
     runs(d, **_net())
     with pytest.raises(LockError, match=f"pid {os.getpid()}"):
         Run(d, **_net())
+
+
+def test_a_missing_rank_state_is_an_error_not_a_new_rank(tmp_path: Path) -> None:
+    """A rank beyond the saved world size is new (seeded from (step, rank)); a rank within it
+    whose state file is gone makes the checkpoint corrupt."""
+    from tests._store_helpers import read_manifest_raw, write_manifest_raw
+
+    run = Run(tmp_path, model=torch.nn.Linear(2, 2), progress=False)
+    run.save()
+    run.close()
+    ckpt = tmp_path / "checkpoints" / "step-000000000"
+    m = read_manifest_raw(str(ckpt))
+    m["files"].pop("rank-00000.json")
+    write_manifest_raw(str(ckpt), m)
+    with pytest.warns(UserWarning, match="does not list rank-00000.json"):
+        assert unbroken.CheckpointStore(str(tmp_path)).latest() is None
+    # The run's own check, should a reader get past the store's.
+    reader = unbroken.CheckpointReader(str(ckpt))
+    run = Run(tmp_path / "other", model=torch.nn.Linear(2, 2), progress=False)
+    with pytest.raises(unbroken.CorruptCheckpointError, match="no state of rank 0"):
+        run._restore(reader)
+    run.close()

@@ -42,7 +42,8 @@ class CheckpointReader:
 
     def verify(self, *, checksums: bool = True) -> None:
         _manifest.verify_files(self.path, self.manifest, checksums=checksums)
-        for name in (_manifest.STATE_FILE, ".metadata"):
+        ranks = [_manifest.rank_file(r) for r in range(self.world_size)]
+        for name in (_manifest.STATE_FILE, ".metadata", *ranks):
             if name not in self.manifest["files"]:
                 raise CorruptCheckpointError(f"{self.path}: manifest does not list {name}")
         # Parse (safely) and validate the tensor metadata too, so that a checkpoint whose

@@ -27,11 +27,12 @@ from typing import Any
 import torch
 
 from .. import _dist
-from .._errors import ConfigError, StateError
+from .._errors import ConfigError, CorruptCheckpointError, StateError
 from .._exit import EXIT_RESUMABLE
 from ..data._seeding import derive, seed_globals
 from ..state import Counters, GlobalRNG, Registry
 from ..store import AsyncSaver, CheckpointReader, CheckpointStore, Retention, WriterLock, step_name
+from ..store._manifest import rank_file
 from ._config import RunConfig, deadline
 from ._loop import Stepper
 from ._metrics import MetricsLog
@@ -167,6 +168,11 @@ class Run:
         trees = reader.global_trees()
         local = reader.local_trees(self.rank)
         allow_missing = set(self.config.allow_missing)
+        if local is None and self.rank < reader.world_size:
+            raise CorruptCheckpointError(
+                f"checkpoint {reader.path} was saved by {reader.world_size} ranks but holds no "
+                f"state of rank {self.rank} ({rank_file(self.rank)})"
+            )
         if local is None:
             # A rank that did not exist when this was saved (resume on more ranks): its
             # rank-local streams start from a seed derived from (step, rank); documented.
