@@ -10,13 +10,21 @@ zeros). Every variant saves or loads the same tensors; throughputs are state byt
 Save (every variant durable: its files fsynced before the clock stops):
   unbroken sync     ``CheckpointStore.save(step, registry.collect(), meta)``: DCP + xxh3 while
                     writing + fsync + manifest + rename, as ``Run.save()`` does
-  unbroken async    ``AsyncSaver.save``: blocking = collect + snapshot into reused buffers;
-                    total = until the background write committed (nothing else running)
+  unbroken async    ``AsyncSaver.save``: blocking = what the caller waits for (collect +
+                    snapshot into reused buffers + starting the writer thread), of which the
+                    snapshot alone (``last_blocking_seconds``); total = until the background
+                    write committed (nothing else running)
+  unbroken, CRC off unbroken sync with torch's per-record zip CRC-32 off
+                    (``torch.utils.serialization.config.save.compute_crc32``): not what
+                    unbroken does, it shows what that CRC costs
   torch.save        of {model, optimizer} state dicts, + fsync of the file and its directory
   safetensors       ``save_file`` of the flat tensors, + fsync of the file and its directory
   DCP               stock ``dcp.save`` with ``FileSystemWriter(sync_files=True)``
   disk ceiling      O_DIRECT writes of as many bytes from an aligned 64 MiB buffer, + fsync
                     (plain writes + fsync if O_DIRECT is refused; the table says so)
+  buffered          the raw bytes, one ``write`` per tensor through the page cache, writeback
+                    started every 32 MiB (``sync_file_range``), fsync: the best a buffered
+                    writer does on this disk
   copy floor        ``copy_`` into preallocated buffers with one intra-op thread (memcpy)
 
 Load (warm: every file was read once before, so it is in the page cache), into the live
@@ -38,12 +46,14 @@ checksums, every rank restores) of a ~0.25 GB state, in 1 process and in 2 gloo 
 127.0.0.1, replicated (DDP-like plain tensors) and sharded (FSDP2 ``fully_shard``).
 
 Variants run interleaved (each repeat runs every variant once, in rotated order) after one
-untimed warm-up round; the tables show medians. The last line is one JSON object.
+untimed warm-up round; the tables show medians and (min..max). The last line is one JSON
+object (``ok`` per target; ``spread_s`` holds every min and max).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import mmap
 import os
@@ -68,7 +78,7 @@ from torch.utils.serialization import config as ser_config
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from unbroken.state import Registry  # noqa: E402
-from unbroken.store import AsyncSaver, CheckpointStore, _dcpio  # noqa: E402
+from unbroken.store import AsyncSaver, CheckpointStore  # noqa: E402
 
 # (width, blocks, vocab, context)
 SHAPES = {
@@ -83,7 +93,22 @@ TARGETS = {
     "load_over_readinto_max": 1.3,
     "extra_rss_fraction_max": 0.10,
 }
-MB = 1e6
+
+
+def _sync_file_range() -> Any:
+    """Linux's sync_file_range (start writeback of a range now), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
 
 
 # ---- the state --------------------------------------------------------------------------------
@@ -203,14 +228,6 @@ class Saves:
         shutil.rmtree(path)
         return dt
 
-    def unbroken_sync_no_writeback(self) -> float:
-        """unbroken sync as it was before the write-behind hint (what the hint buys)."""
-        hint, _dcpio._start_writeback = _dcpio._start_writeback, None
-        try:
-            return self.unbroken_sync()
-        finally:
-            _dcpio._start_writeback = hint
-
     def unbroken_sync_no_crc(self) -> float:
         """unbroken sync with torch's zip CRC-32 of every record off (not what unbroken does;
         the CRC is redundant next to the xxh3 of every file, but readers that check zip CRCs,
@@ -222,7 +239,8 @@ class Saves:
         finally:
             cfg.compute_crc32 = True
 
-    def unbroken_async(self) -> tuple[float, float]:
+    def unbroken_async(self) -> tuple[float, float, float]:
+        """(blocking as the caller sees it, the snapshot alone, total until committed)."""
         step = self._next()
         t0 = time.perf_counter()
         self.saver.save(step, self.reg.collect(), {"epoch": 0, "samples": 0})
@@ -230,7 +248,7 @@ class Saves:
         self.saver.wait()
         total = time.perf_counter() - t0
         shutil.rmtree(os.path.join(self.async_store.root, f"step-{step:09d}"))
-        return blocking, total
+        return blocking, self.saver.last_blocking_seconds, total
 
     def torch_save(self) -> float:
         path = os.path.join(self.root, "state.pt")
@@ -292,7 +310,7 @@ class Saves:
 
     def buffered(self) -> float:
         """The same bytes written through the page cache as fast as Python can: one
-        ``write`` per tensor, write-behind every 32 MiB (as unbroken does), fsync."""
+        ``write`` per tensor, writeback started every 32 MiB (``sync_file_range``), fsync."""
         path = os.path.join(self.root, "buffered.bin")
         t0 = time.perf_counter()
         with open(path, "wb", buffering=0) as f:
@@ -300,8 +318,8 @@ class Saves:
             for t in self.reg.collect().tensors.values():
                 f.write(_bytes_view(t))
                 done += t.nbytes
-                if _dcpio._start_writeback is not None and done - flushed >= (32 << 20):
-                    _dcpio._start_writeback(fd, flushed, 0, 2)
+                if _SYNC_FILE_RANGE is not None and done - flushed >= (32 << 20):
+                    _SYNC_FILE_RANGE(fd, flushed, 0, 2)  # SYNC_FILE_RANGE_WRITE
                     flushed = done
             os.fsync(fd)
         fsync_path(self.root)
@@ -323,6 +341,19 @@ class Saves:
 
 # ---- load variants ----------------------------------------------------------------------------
 
+SAVE_ROWS = (
+    "unbroken_sync",
+    "async_blocking",
+    "async_snapshot",
+    "async_total",
+    "unbroken_sync_no_crc",
+    "torch_save",
+    "safetensors",
+    "dcp",
+    "ceiling",
+    "buffered",
+    "copy",
+)
 LOADS = ("unbroken", "unbroken_noverify", "torch_load", "safetensors", "dcp", "readinto")
 
 
@@ -554,7 +585,7 @@ def rotated(items: list[str], r: int) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a 0.09 GB state and 3 repeats")
-    p.add_argument("--repeats", type=int, default=None, help="default 5 (3 with --quick)")
+    p.add_argument("--repeats", type=int, default=None, help="default 7 (3 with --quick)")
     p.add_argument("--dir", default=None, help="where to write (default: a temp dir in /tmp)")
     p.add_argument("--skip-world", action="store_true", help="skip the world 1 vs 2 part")
     p.add_argument("--shape", default=None, help=argparse.SUPPRESS)
@@ -567,7 +598,7 @@ def main() -> None:
     if a.world_child:
         world_child(a.world_child[0], a.world_child[1], a.shape)
         return
-    repeats = a.repeats or (3 if a.quick else 5)
+    repeats = a.repeats or (3 if a.quick else 7)
     shape = "quick" if a.quick else "full"
     wshape = "world-quick" if a.quick else "world"
     root = tempfile.mkdtemp(prefix="unbroken-bench-", dir=a.dir)
@@ -595,7 +626,6 @@ def run(a: argparse.Namespace, repeats: int, shape: str, wshape: str, root: str)
     save_fns: dict[str, Callable[[], Any]] = {
         "unbroken_sync": saves.unbroken_sync,
         "unbroken_async": saves.unbroken_async,
-        "unbroken_sync_no_writeback": saves.unbroken_sync_no_writeback,
         "unbroken_sync_no_crc": saves.unbroken_sync_no_crc,
         "torch_save": saves.torch_save,
         "safetensors": saves.safetensors,
@@ -608,17 +638,19 @@ def run(a: argparse.Namespace, repeats: int, shape: str, wshape: str, root: str)
     for k in keys:  # warm-up: imports, first-touch of the async buffers
         save_fns[k]()
     st: dict[str, list[float]] = {k: [] for k in keys if k != "unbroken_async"}
-    st["async_blocking"], st["async_total"] = [], []
+    st["async_blocking"], st["async_snapshot"], st["async_total"] = [], [], []
     for r in range(repeats):
         for k in rotated(keys, r):
             got = save_fns[k]()
             if k == "unbroken_async":
                 st["async_blocking"].append(got[0])
-                st["async_total"].append(got[1])
+                st["async_snapshot"].append(got[1])
+                st["async_total"].append(got[2])
             else:
                 st[k].append(got)
         print(f"save repeat {r + 1}/{repeats} done", flush=True)
     sm = {k: statistics.median(v) for k, v in st.items()}
+    spread = {k: [round(min(v), 4), round(max(v), 4)] for k, v in st.items()}
 
     # -- load --
     paths = write_fixtures(model, opt, reg, os.path.join(root, "load"))
@@ -634,6 +666,7 @@ def run(a: argparse.Namespace, repeats: int, shape: str, wshape: str, root: str)
             lt[k].append(time.perf_counter() - t0)
         print(f"load repeat {r + 1}/{repeats} done", flush=True)
     lm = {k: statistics.median(v) for k, v in lt.items()}
+    spread |= {f"load_{k}": [round(min(v), 4), round(max(v), 4)] for k, v in lt.items()}
     del lfns
     mem = measure_memory(paths, shape)
     shutil.rmtree(os.path.join(root, "load"))
@@ -663,6 +696,7 @@ def run(a: argparse.Namespace, repeats: int, shape: str, wshape: str, root: str)
         mem=mem,
         wm=wm,
         wbytes=wbytes,
+        spread=spread,
         fallback=fallback,
         loads=(load_before, load_after),
     )
@@ -682,6 +716,7 @@ def report(
     mem: dict[str, float],
     wm: dict[str, dict[str, float]],
     wbytes: int,
+    spread: dict[str, list[float]],
     fallback: str | None,
     loads: tuple[float, float],
 ) -> None:
@@ -699,12 +734,12 @@ def report(
     )
     rows = [
         ("unbroken sync (durable, committed)", sm["unbroken_sync"]),
-        ("unbroken async: blocking (collect + snapshot)", sm["async_blocking"]),
-        ("unbroken async: total (until committed)", sm["async_total"]),
+        ("unbroken async: blocking, as the caller sees it", sm["async_blocking"]),
         (
-            "unbroken sync without the write-behind hint (before this change)",
-            sm["unbroken_sync_no_writeback"],
+            "unbroken async: of which the snapshot (AsyncSaver.last_blocking_seconds)",
+            sm["async_snapshot"],
         ),
+        ("unbroken async: total (until committed)", sm["async_total"]),
         (
             "unbroken sync with torch's zip CRC-32 off (not what unbroken does)",
             sm["unbroken_sync_no_crc"],
@@ -713,13 +748,17 @@ def report(
         ("safetensors save_file + fsync", sm["safetensors"]),
         ("DCP dcp.save (sync_files=True)", sm["dcp"]),
         (ceiling_name, ceiling),
-        ("buffered write of the raw bytes + write-behind + fsync", sm["buffered"]),
+        ("buffered write of the raw bytes + early writeback + fsync", sm["buffered"]),
         ("copy_ into preallocated buffers (1 thread)", sm["copy"]),
     ]
-    print("| save | seconds | GB/s | throughput vs ceiling |")
+    print("| save | seconds (min..max) | GB/s | throughput vs ceiling |")
     print("| --- | ---: | ---: | ---: |")
-    for name, sec in rows:
-        print(f"| {name} | {sec:.3f} | {gbps(nbytes, sec)} | {ceiling / sec:.2f}x |")
+    for (name, sec), key in zip(rows, SAVE_ROWS, strict=True):
+        lo, hi = spread[key]
+        print(
+            f"| {name} | {sec:.3f} ({lo:.2f}..{hi:.2f}) | {gbps(nbytes, sec)} | "
+            f"{ceiling / sec:.2f}x |"
+        )
     print()
     floor = lm["readinto"]
     names = {
@@ -730,12 +769,15 @@ def report(
         "dcp": "DCP dcp.load into live tensors",
         "readinto": "readinto floor (raw bytes into live tensors)",
     }
-    print("| load (warm page cache) | seconds | GB/s | time vs readinto | peak extra RSS |")
+    print(
+        "| load (warm page cache) | seconds (min..max) | GB/s | time vs readinto | peak extra RSS |"
+    )
     print("| --- | ---: | ---: | ---: | ---: |")
     for k in LOADS:
+        lo, hi = spread[f"load_{k}"]
         print(
-            f"| {names[k]} | {lm[k]:.3f} | {gbps(nbytes, lm[k])} | {lm[k] / floor:.2f}x | "
-            f"{mem[k] * 100:.1f}% |"
+            f"| {names[k]} | {lm[k]:.3f} ({lo:.2f}..{hi:.2f}) | {gbps(nbytes, lm[k])} | "
+            f"{lm[k] / floor:.2f}x | {mem[k] * 100:.1f}% |"
         )
     print()
     if wm:
@@ -761,8 +803,8 @@ def report(
         "async_total_over_ceiling": ceiling / sm["async_total"],
         "save_over_buffered": sm["buffered"] / sm["unbroken_sync"],
         "save_no_crc_over_ceiling": ceiling / sm["unbroken_sync_no_crc"],
-        "writeback_speedup": sm["unbroken_sync_no_writeback"] / sm["unbroken_sync"],
         "async_blocking_over_copy": sm["async_blocking"] / sm["copy"],
+        "async_snapshot_over_copy": sm["async_snapshot"] / sm["copy"],
         "load_over_readinto": lm["unbroken"] / floor,
         "load_noverify_over_readinto": lm["unbroken_noverify"] / floor,
         "extra_rss_fraction": mem["unbroken"],
@@ -785,6 +827,10 @@ def report(
     print(
         f"| async blocking <= 1.2x the copy floor | "
         f"{ratios['async_blocking_over_copy']:.2f}x | {ok['async_blocking_over_copy']} |"
+    )
+    print(
+        f"| (for comparison: the snapshot alone vs the copy floor) | "
+        f"{ratios['async_snapshot_over_copy']:.2f}x | - |"
     )
     print(
         f"| warm load <= 1.3x readinto (with checksums) | "
@@ -811,6 +857,7 @@ def report(
         "save_s": {k: round(v, 4) for k, v in sm.items()},
         "load_s": {k: round(v, 4) for k, v in lm.items()},
         "load_extra_rss_fraction": {k: round(v, 4) for k, v in mem.items()},
+        "spread_s": spread,
         "world_state_bytes": wbytes,
         "world_s": {m: {k: round(v, 4) for k, v in d.items()} for m, d in wm.items()},
         "ratios": {k: round(v, 3) for k, v in ratios.items()},

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,3 +25,16 @@ def reference_runs(tmp_path_factory: pytest.TempPathFactory):
         return cache[key]
 
     return get
+
+
+# Variables that make a launched script join a process group; a test that leaves one behind
+# breaks every later launch from this process, so the leaking test itself fails.
+_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID")
+
+
+@pytest.fixture(autouse=True)
+def _launch_environment_unchanged() -> Iterator[None]:
+    before = {k: os.environ.get(k) for k in _LAUNCH_ENV}
+    yield
+    after = {k: os.environ.get(k) for k in _LAUNCH_ENV}
+    assert after == before, f"the test changed the launch environment: {before} -> {after}"

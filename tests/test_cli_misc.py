@@ -108,8 +108,11 @@ def test_char_lm_under_torchrun(tmp_path: Path) -> None:
 
 
 def test_init_distributed_reads_slurm_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(key, raising=False)
+    # init_distributed writes RANK/WORLD_SIZE/LOCAL_RANK itself; setenv first so that monkeypatch
+    # records them and restores their absence (a leaked WORLD_SIZE=2 breaks later launches).
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.setenv("SLURM_NTASKS", "1")
     monkeypatch.setenv("SLURM_LOCALID", "0")
@@ -117,6 +120,5 @@ def test_init_distributed_reads_slurm_environment(monkeypatch: pytest.MonkeyPatc
     assert os.environ["RANK"] == "0" and os.environ["WORLD_SIZE"] == "1"
     monkeypatch.setenv("SLURM_NTASKS", "2")
     monkeypatch.delenv("RANK")
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(unbroken.ConfigError, match="MASTER_ADDR"):
         unbroken.init_distributed()

@@ -7,8 +7,9 @@ in order). An error of a background save is raised by the next ``save()`` or by 
 the run calls ``wait()`` before exiting, before a signal-triggered save, and at ``finish()``.
 
 A thread, not a process: writing is I/O and hashing/copying release the GIL, so the thread
-competes little with the training loop (bench/bench_checkpoint.py measures it); a process would
-need the snapshot in shared memory and a process group of its own.
+competes little with the training loop. bench/bench_async_writer.py measures both: a process was
+1-2% better, within the noise, but it would need the snapshot in shared memory, a process group
+of its own for a distributed save, and its errors sent back (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -12,11 +12,9 @@ reading or allocating, refuses byte items, and reads tensors with ``weights_only
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pickle
 import stat
-import sys
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -48,32 +46,6 @@ _MD_CLASSES = {
 }
 
 
-WRITEBACK_BYTES = 32 << 20
-
-
-def _writeback_fn() -> Any:
-    """Linux's ``sync_file_range``, to start writeback of a data file every WRITEBACK_BYTES.
-
-    Only a hint (the fsync before the commit is what makes a checkpoint durable; errors of the
-    hint are ignored), but it matters: left to the fsync at the end, a GB of dirty pages is
-    written far slower than as it comes, and writing into the page cache itself slows down as
-    dirty pages pile up (bench/bench_checkpoint.py: ~2-4x on a virtio disk). The same idea as
-    RocksDB's ``bytes_per_sync`` or PostgreSQL's ``checkpoint_flush_after``.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_start_writeback = _writeback_fn()
-
-
 class _HashingFileSystem(FileSystem):
     """DCP's local filesystem, but every file written is hashed and every step is an event."""
 
@@ -90,18 +62,6 @@ class _HashingFileSystem(FileSystem):
         fs = self
 
         class _Stream(_fsops.HashingWriter):
-            _flushed = 0
-
-            def write(self, data) -> int:
-                n = super().write(data)
-                if _start_writeback is not None and self.size - self._flushed >= WRITEBACK_BYTES:
-                    # Start writing what we wrote so far to the disk now, instead of leaving
-                    # it all dirty for the fsync: see _start_writeback.
-                    self._f.flush()
-                    _start_writeback(self._f.fileno(), self._flushed, 0, 2)  # _WRITE
-                    self._flushed = self.size
-                return n
-
             def close(self) -> None:
                 was_open = not self.closed
                 super().close()
