@@ -146,20 +146,26 @@ def overhead(
 LOSS = torch.tensor(1.0)
 
 
+def timed_batches(loader: Any) -> Iterator[float]:
+    """Seconds of each ``next()`` over one pass of ``loader``."""
+    it = iter(loader)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            next(it)
+        except StopIteration:
+            return
+        yield time.perf_counter() - t0
+
+
 def hand_fetch(data: tud.Dataset, batch: int) -> Iterator[tuple[float, float]]:
     """(seconds of ``next(loader)``, 0) per batch of a torch DataLoader."""
     loader = tud.DataLoader(
         data, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(0)
     )
     while True:
-        it = iter(loader)
-        while True:
-            t0 = time.perf_counter()
-            try:
-                next(it)
-            except StopIteration:
-                break
-            yield time.perf_counter() - t0, 0.0
+        for fetch in timed_batches(loader):
+            yield fetch, 0.0
 
 
 def unbroken_fetch(
@@ -173,16 +179,10 @@ def unbroken_fetch(
         run_dir, model=model, optimizer=opt, loader=loader, save_final=False, progress=False
     ) as run:
         for _ in run.epochs(10**9):
-            it = iter(loader)
-            while True:
-                t0 = time.perf_counter()
-                try:
-                    next(it)
-                except StopIteration:
-                    break
+            for fetch in timed_batches(loader):
                 t1 = time.perf_counter()
                 run.step(loss=LOSS)
-                yield t1 - t0, time.perf_counter() - t1
+                yield fetch, time.perf_counter() - t1
 
 
 def components(data: tud.Dataset, batch: int, n: int, root: str) -> dict[str, float]:

@@ -68,17 +68,20 @@ def _assert_loaded_state_equals_checkpoint(run_dir: Path, dump: Path, step: int)
         assert torch.equal(value, saved[key]), key
 
 
-def test_fsdp2_world2_resumes_on_world1_and_world3(tmp_path: Path) -> None:
+def test_fsdp2_world2_resumes_on_world3_then_world1(tmp_path: Path) -> None:
     common = ["--mode", "fsdp", "--dropout", "0"]
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     assert _run(ref, 2, *common)[0] == [0, 0]
     assert _run(cut, 2, *common, "--signal-at", "9")[0] == [KILLED, KILLED]  # checkpoint 8
-    _run(cut, 1, *common, "--dump-after-load", str(tmp_path / "w1.safetensors"))
-    _assert_loaded_state_equals_checkpoint(cut, tmp_path / "w1.safetensors", 8)
-    assert _run(cut, 1, *common, "--signal-at", "10", "--signal", "TERM")[0] == [75]
+    # 2 shards resharded onto 3 ranks (rank 2 is new), then 3 onto 1.
     _run(cut, 3, *common, "--dump-after-load", str(tmp_path / "w3.safetensors"))
-    _assert_loaded_state_equals_checkpoint(cut, tmp_path / "w3.safetensors", 11)
-    assert _run(cut, 3, *common)[0] == [0, 0, 0]
+    _assert_loaded_state_equals_checkpoint(cut, tmp_path / "w3.safetensors", 8)
+    # SIGTERM to a rank that does not commit: all three agree, save step 11 and exit 75.
+    term = ["--signal-at", "10", "--signal", "TERM", "--signal-rank", "2"]
+    assert _run(cut, 3, *common, *term)[0] == [75, 75, 75]
+    _run(cut, 1, *common, "--dump-after-load", str(tmp_path / "w1.safetensors"))
+    _assert_loaded_state_equals_checkpoint(cut, tmp_path / "w1.safetensors", 11)
+    assert _run(cut, 1, *common)[0] == [0]
     # The data stream is the same global sequence whatever the world size.
     assert _samples(ref) == _samples(cut)
     # Values agree up to the reduction order of a different world size (documented tolerance).

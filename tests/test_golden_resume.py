@@ -39,9 +39,9 @@ CASES = [
     (0, "start", "TERM", 1, False, False),
     (0, "mid", "KILL", 4, True, False),
     (2, "boundary", "TERM", 4, False, False),
-    (2, "last", "KILL", 1, True, False),
+    (2, "last", "KILL", 1, False, False),
     (2, "start", "KILL", 4, True, True),
-    (0, "boundary", "KILL", 1, False, True),
+    (0, "boundary", "KILL", 1, True, True),
     (2, "mid", "TERM", 1, False, True),
     (0, "last", "TERM", 4, True, True),
 ]

@@ -134,6 +134,61 @@ def test_grown_linear_embedding_layernorm_moments_and_ema(tmp_path: Path) -> Non
     run.close()
 
 
+def _shrink_at_3(ctx: Any) -> Any:
+    return unbroken.Change(model=Small(10, 6), stage=(10, 6)) if ctx.step == 3 else None
+
+
+def test_grow_hook_remaps_a_shrunk_parameter_and_optimizer_factory_builds(tmp_path: Path) -> None:
+    calls: list[tuple[str, str]] = []
+    built: list[torch.optim.Optimizer] = []
+
+    def grow(name: str, what: str, old: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        calls.append((name, what))
+        return old[tuple(slice(0, n) for n in shape)].clone()  # keep the leading slice
+
+    def factory(model: torch.nn.Module) -> torch.optim.Optimizer:
+        built.append(torch.optim.Adam(model.parameters(), lr=5e-3))
+        return built[-1]
+
+    run, loader = _setup(tmp_path, _shrink_at_3, grow=grow, optimizer_factory=factory)
+    _train(run, loader, 3)
+    old_avg = {
+        n: run.optimizer.state[p]["exp_avg"].clone() for n, p in run.model.named_parameters()
+    }
+    old_ema = {k: v.clone() for k, v in run.ema.shadow.items()}
+    batches = run.loop(loader)
+    next(batches)  # step 4 starts: the change happens before its first batch
+    assert run.optimizer is built[-1] and run.model.emb.weight.shape == (10, 6)
+    names = ["emb.weight", "fc.weight", "fc.bias", "ln.weight", "ln.bias"]
+    whats = ("param_state:exp_avg", "param_state:exp_avg_sq", "ema")
+    assert sorted(calls) == sorted((n, w) for n in names for w in whats)
+    for name, p in run.model.named_parameters():
+        lead = tuple(slice(0, n) for n in p.shape)
+        assert torch.equal(run.optimizer.state[p]["exp_avg"], old_avg[name][lead]), name
+        assert torch.equal(run.ema.shadow[name], old_ema[name][lead]), name
+    events = [r for r in unbroken.read_metrics(str(tmp_path / "run"), events=True) if "event" in r]
+    change = next(e for e in events if e["event"] == "model_changed")
+    assert sorted(change["remapped"]) == sorted(names) and change["grown"] == []
+    batches.close()
+    run.close()
+
+
+@pytest.mark.parametrize(
+    "hook,message",
+    [
+        (lambda n, w, old, shape: old, "grow= returned [10, 8] torch.float32"),
+        (lambda n, w, old, shape: None, "is not growth; return a tensor of shape [10, 6]"),
+    ],
+    ids=["wrong-shape", "none-for-shrink"],
+)
+def test_grow_hook_result_is_checked(tmp_path: Path, hook: Any, message: str) -> None:
+    run, loader = _setup(tmp_path, _shrink_at_3, grow=hook)
+    with pytest.raises(unbroken.ConfigError, match="emb.weight") as e:
+        _train(run, loader, 6)
+    assert message in str(e.value)
+    run.close()
+
+
 @pytest.mark.parametrize(
     "result,message",
     [

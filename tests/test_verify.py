@@ -41,6 +41,7 @@ from unbroken.verify._report import LOADER, LR, METRICS_ONLY, NONDET, UNSEEDED_G
 TOY = ROOT / "tests" / "scripts" / "toy_train.py"
 BROKEN = ROOT / "tests" / "scripts" / "broken_train.py"
 CHAR_LM = ROOT / "examples" / "char_lm.py"
+SEQ2SEQ = ROOT / "examples" / "seq2seq.py"
 PY = sys.executable
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
@@ -70,16 +71,19 @@ def verified(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     toy = ("--steps", "16", "--save-every", "4")
     char_lm = ("--steps", "12", "--save-every", "4", "--workers", "0")
     char_lm += ("--context", "32", "--batch-size", "8")
+    s2s = ("--steps", "8", "--save-every", "4", "--lines", "24", "--max-tokens", "600")
     jobs: dict[str, Callable[[], Any]] = {
         # The toy script (AdamW, LambdaLR, EMA, noisy data, dropout) through the CLI, K=3.
         "toy": lambda: _cli(work / "toy", 3, PY, str(TOY), "--run-dir", "{run_dir}", *toy),
         # The demo's char-level transformer (AMP + GradScaler, EMA), K=2, default temp dir.
         "char_lm": lambda: _lib(None, 2, str(CHAR_LM), "--run-dir", "{run_dir}", *char_lm),
+        # The translation example (token-budget batches of a parallel corpus), K=1.
+        "seq2seq": lambda: _lib(work / "seq2seq", 1, str(SEQ2SEQ), "--run-dir", "{run_dir}", *s2s),
         # One interruption is enough to expose each bug; no {run_dir}: UNBROKEN_RUN_DIR.
         "generator": lambda: _cli(work / "generator", 1, PY, str(BROKEN), "--bug", "generator"),
         **{
             bug: (lambda bug=bug: _lib(work / bug, 1, str(BROKEN), "--bug", bug))
-            for bug in ("scheduler", "loader", "dropout", "none")
+            for bug in ("scheduler", "loader", "dropout", "shuffle", "none")
         },
     }
     # Two at a time on few cores: one intra-op thread per training process avoids OpenMP
@@ -118,6 +122,13 @@ def test_char_lm_passes(verified: dict[str, Any]) -> None:
     assert len(report.interruptions) == 2 and report.launches == 3
     assert report.work_dir is None  # the temp dir is removed after a pass
     assert "PASS" in report.summary()
+
+
+def test_seq2seq_passes(verified: dict[str, Any]) -> None:
+    report: VerifyReport = verified["seq2seq"]
+    assert report.passed, report.summary()
+    assert report.checkpoints_compared == [4, 8] and report.metrics_compared == 8
+    assert len(report.interruptions) == 1
 
 
 def test_the_bug_free_variant_passes(verified: dict[str, Any]) -> None:
@@ -169,6 +180,16 @@ def test_untracked_dropout_generator_is_caught(verified: dict[str, Any]) -> None
     assert report.first_difference.component == "model"
     assert "generator" in report.hints[0] and "dropout" in report.hints[0]
     assert not any("not resumable" in h for h in report.hints)  # its loader is tracked
+
+
+def test_a_dataset_shuffling_with_its_own_unseeded_rng_is_caught(verified: dict[str, Any]) -> None:
+    report: VerifyReport = verified["shuffle"]
+    assert not report.passed
+    assert report.first_difference is not None
+    # The runs differ before any resume: named as the script not repeating itself.
+    resumes = [r for r in report.resumed_from if r > 0]
+    assert not resumes or report.first_difference.step <= min(resumes)
+    assert "not a resume problem" in report.hints[0]
 
 
 # ---- compare_runs on existing run directories -----------------------------------------------

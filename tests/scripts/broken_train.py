@@ -5,6 +5,8 @@
     --bug scheduler   an LR scheduler that is not passed to Run
     --bug loader      a plain torch DataLoader (shuffle=True): not resumable
     --bug dropout     dropout masks from a torch.Generator that is not passed to Run
+    --bug shuffle     the dataset shuffles itself with an unseeded NumPy generator, ignoring the
+                      loader's seed: no two launches see the same data, interrupted or not
 
 The run directory is ``--run-dir`` or, if not given, ``$UNBROKEN_RUN_DIR``. 40 samples in
 batches of 8 make 5 steps an epoch, so no checkpoint (every 4 steps) falls on an epoch boundary,
@@ -16,12 +18,13 @@ from __future__ import annotations
 import argparse
 import os
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 import unbroken
 
-BUGS = ("none", "generator", "scheduler", "loader", "dropout")
+BUGS = ("none", "generator", "scheduler", "loader", "dropout", "shuffle")
 
 
 def main() -> None:
@@ -33,7 +36,11 @@ def main() -> None:
     a = p.parse_args()
 
     unbroken.seed_everything(0)
-    data = torch.utils.data.TensorDataset(torch.randn(40, 4), torch.randn(40, 1))
+    x, y = torch.randn(40, 4), torch.randn(40, 1)
+    if a.bug == "shuffle":
+        order = torch.from_numpy(np.random.default_rng().permutation(40))  # seeded by the OS
+        x, y = x[order], y[order]
+    data = torch.utils.data.TensorDataset(x, y)
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9**s)

@@ -192,7 +192,7 @@ class Registry:
                     raise StateError(
                         f"{name}: tensor {path.lstrip('/')!r} has shape {list(cur.shape)} now "
                         f"but {list(info.shape)} in the checkpoint; build the model as it was "
-                        "when saved (or allow a remap)"
+                        "when saved (a model_factory(stage) rebuilds it)"
                     )
                 if cur is not None and cur.dtype != info.dtype:
                     raise StateError(

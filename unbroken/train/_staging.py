@@ -41,12 +41,14 @@ class Change:
 class Remap:
     unchanged: list[str] = field(default_factory=list)
     grown: list[str] = field(default_factory=list)
+    remapped: list[str] = field(default_factory=list)  # not growth: left to the grow hook
     added: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         return {
             "grown": self.grown,
+            "remapped": self.remapped,
             "added": self.added,
             "removed": self.removed,
             "unchanged": len(self.unchanged),
@@ -63,10 +65,10 @@ def classify(
             r.added.append(name)
         elif before == shape:
             r.unchanged.append(name)
-        elif len(before) == len(shape) and all(b <= s for b, s in zip(before, shape, strict=True)):
+        elif _is_growth(before, shape):
             r.grown.append(name)
         elif grow is not None:
-            r.grown.append(name)
+            r.remapped.append(name)
         else:
             raise ConfigError(
                 f"parameter {name!r} changed shape from {list(before)} to {list(shape)}, which "
@@ -74,6 +76,34 @@ def classify(
             )
     r.removed = [n for n in old if n not in new]
     return r
+
+
+def _is_growth(before: torch.Size, after: torch.Size) -> bool:
+    return len(before) == len(after) and all(b <= a for b, a in zip(before, after, strict=True))
+
+
+def _remap(
+    grow: GrowHook | None, name: str, what: str, old: torch.Tensor, shape: torch.Size
+) -> torch.Tensor | None:
+    """The grow hook's tensor for ``name`` (checked), or None where the default applies."""
+    custom = grow(name, what, old, shape) if grow is not None else None
+    if custom is None:
+        if not _is_growth(old.shape, shape):
+            raise ConfigError(
+                f"grow= returned None for {what} of {name!r}, but {list(old.shape)} -> "
+                f"{list(shape)} is not growth; return a tensor of shape {list(shape)}"
+            )
+        return None
+    if not isinstance(custom, torch.Tensor) or custom.shape != shape or custom.dtype != old.dtype:
+        got = (
+            f"{list(custom.shape)} {custom.dtype}"
+            if isinstance(custom, torch.Tensor)
+            else type(custom).__name__
+        )
+        raise ConfigError(
+            f"grow= returned {got} for {what} of {name!r}; expected shape {list(shape)} {old.dtype}"
+        )
+    return custom
 
 
 def grown(old: torch.Tensor, new_shape: torch.Size, fill: torch.Tensor | None) -> torch.Tensor:
@@ -142,7 +172,7 @@ def carry_optimizer_state(
         state: dict[str, Any] = {}
         for key, v in old.state[q].items():
             if isinstance(v, torch.Tensor) and v.shape == q.shape and q.shape != p.shape:
-                custom = grow(name, f"param_state:{key}", v, p.shape) if grow else None
+                custom = _remap(grow, name, f"param_state:{key}", v, p.shape)
                 state[key] = custom if custom is not None else grown(v, p.shape, None)
             else:
                 state[key] = v
@@ -159,7 +189,7 @@ def grow_ema(ema: EMA, new_model: torch.nn.Module, grow: GrowHook | None) -> Non
         elif old.shape == v.shape:
             shadow[name] = old
         else:
-            custom = grow(name, "ema", old, v.shape) if grow else None
+            custom = _remap(grow, name, "ema", old, v.shape)
             shadow[name] = custom if custom is not None else grown(old, v.shape, v.detach())
     ema.model = new_model
     ema.shadow = shadow
