@@ -171,6 +171,7 @@ class _UsageError(Exception):
 def inspect(args: argparse.Namespace) -> int:
     try:
         reader = _open(args.path, args.step, checksums=not args.no_verify)
+        reader.check_contents()  # refuse what a restore would refuse (nothing is restored)
         info = describe(reader)
     except _UsageError as e:
         print(f"unbroken inspect: error: {e}", file=sys.stderr)

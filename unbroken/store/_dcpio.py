@@ -344,6 +344,20 @@ def load_tensors(
         )
 
 
+def check_records(directory: str, md: dcp_md.Metadata) -> int:
+    """Parse every tensor record's description as a load would, reading no tensor data: an
+    unsafe or malformed record raises, naming its file and tensor. Returns how many."""
+    per_file: dict[str, list[tuple[Any, _StorageInfo]]] = {}
+    for idx, info in md.storage_data.items():
+        per_file.setdefault(info.relative_path, []).append((idx, info))
+    for name, entries in per_file.items():
+        path = safe_file(directory, name)
+        with open(path, "rb", buffering=0) as f:
+            for idx, info in sorted(entries, key=lambda e: e[1].offset):
+                _fastread.locate(f, info.offset, info.length, f"{path}: tensor {idx.fqn!r}")
+    return sum(len(e) for e in per_file.values())
+
+
 def _load_direct(directory: str, md: dcp_md.Metadata, targets: dict[str, torch.Tensor]) -> bool:
     """In one process, when every target is a plain CPU tensor saved whole (one chunk) with
     its shape and dtype, read the records straight into the targets without DCP's planning

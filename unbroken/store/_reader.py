@@ -50,6 +50,17 @@ class CheckpointReader:
         # checksums match but whose metadata is unsafe or malformed is skipped by latest().
         self.tensor_infos()
 
+    def check_contents(self) -> None:
+        """Refuse what a restore would refuse, without restoring anything: the global and every
+        rank's state file must parse (as JSON, and name only tensors the payload holds), and
+        every tensor record must describe a plain tensor (its pickle read by the layout-only
+        unpickler). Reads the records' headers, not their data."""
+        self.global_trees()
+        for rank in range(self.world_size):
+            self.local_trees(rank)
+        self.tensor_infos()
+        _dcpio.check_records(self.path, self._metadata)
+
     def global_trees(self) -> dict[str, Any]:
         return self._trees(_manifest.STATE_FILE)
 
