@@ -14,6 +14,9 @@ weights) and ``RUN/trace.jsonl`` (one line per optimizer step: step, epoch, loss
 batch_size, samples = the corpus line numbers of the step's batch). It exits 0 when complete
 and 75 when stopped by a signal after saving (relaunch to continue).
 
+Under ``torchrun --nproc_per_node N`` the same command trains with DDP: ``--max-tokens`` is the
+global budget, each rank takes its slice of every batch, and rank 0 writes the outputs.
+
 What unbroken adds to a plain PyTorch loop is marked ``# unbroken``.
 """
 
@@ -177,9 +180,11 @@ def load_data(a: argparse.Namespace):
 def main() -> int:
     a = parse_args()
     torch.set_num_threads(a.threads)
+    rank, world = unbroken.init_distributed()  # unbroken: torchrun / srun; a no-op otherwise
     unbroken.seed_everything(a.seed)  # unbroken (or torch.manual_seed: model init must be seeded)
-    text, src_vocab, tgt_vocab, loader = load_data(a)
+    text, src_vocab, tgt_vocab, loader = load_data(a)  # max_tokens is the global budget
     model = Translator(len(src_vocab), len(tgt_vocab))
+    net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_at(s, a.steps, a.lr, warmup=max(1, a.steps // 10)) / a.lr
@@ -187,7 +192,7 @@ def main() -> int:
     ema = unbroken.EMA(model, decay=0.99)  # unbroken
     run = unbroken.Run(  # unbroken: resumes here if RUN has a checkpoint
         a.run_dir,
-        model=model,
+        model=net,
         optimizer=opt,
         scheduler=sched,
         ema=ema,
@@ -195,14 +200,14 @@ def main() -> int:
         save_every=a.save_every,
         max_steps=a.steps,
     )
-    if run.resumed_from is not None:
+    if run.resumed_from is not None and rank == 0:
         print(f"resumed from step {run.resumed_from}", flush=True)
     if a.signal_at == 0:
         os.kill(os.getpid(), getattr(signal, "SIG" + a.signal))
 
     model.train()
     for src, tgt_in, tgt_out in run.loop(loader):  # unbroken: batches until max_steps
-        logits = model(src, tgt_in)
+        logits = net(src, tgt_in)
         loss = F.cross_entropy(
             logits.flatten(0, 1), tgt_out.flatten(), ignore_index=PAD, label_smoothing=0.1
         )
@@ -213,12 +218,14 @@ def main() -> int:
         lr = sched.get_last_lr()[0]
         sched.step()
         ema.update()
-        run.step(  # unbroken: logs, saves, and exits 75 on SIGTERM/SIGINT/SIGUSR1
-            loss=loss.item(), lr=lr, batch_size=len(src), samples=loader.last_indices
+        run.step(  # unbroken: logs (loss averaged over ranks), saves, exits 75 on SIGTERM
+            loss=loss, lr=lr, batch_size=len(loader.last_indices), samples=loader.last_indices
         )
         if a.signal_at is not None and run.counters.step == a.signal_at:
             os.kill(os.getpid(), getattr(signal, "SIG" + a.signal))
 
+    if rank != 0:
+        return 0
     unbroken.export_weights(os.path.join(a.run_dir, "final.safetensors"), model=model, ema=ema)
     trace = unbroken.write_trace(a.run_dir)
     model.eval()

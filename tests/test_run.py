@@ -749,3 +749,34 @@ def test_a_missing_rank_state_is_an_error_not_a_new_rank(tmp_path: Path) -> None
     with pytest.raises(unbroken.CorruptCheckpointError, match="no state of rank 0"):
         run._restore(reader)
     run.close()
+
+
+class _NoBatches:
+    """A loader whose every epoch is empty."""
+
+    epoch = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = state["epoch"]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
+def test_a_loader_with_empty_epochs_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    # (One empty pass is allowed: a distributed loader resumed at an epoch's very end may have
+    # too little left to split; tests/test_corpus.py covers that. Two in a row are an error.)
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = _NoBatches()
+    run = unbroken.Run(tmp_path, model=model, optimizer=opt, loader=loader, max_steps=3)
+    with pytest.raises(ConfigError, match="no batch for a whole epoch"):
+        for _ in run.loop(loader):
+            run.step()
+    run.close()

@@ -7,8 +7,9 @@ so DCP's own fsync is off.
 Reading: DCP's stock reader unpickles ``.metadata`` with plain ``pickle.load`` and would
 ``torch.load(weights_only=False)`` any byte item. :class:`SafeReader` unpickles the metadata
 with an allowlist of DCP's metadata classes, validates every path, offset and length before
-reading or allocating, refuses byte items, and reads each tensor record with _fastread: its zip directory parsed by
-hand, its ``data.pkl`` by an unpickler that only records the tensor layout (no ``torch.load``).
+reading or allocating, refuses byte items, and reads each tensor record with _fastread: its zip
+directory parsed by hand, its ``data.pkl`` by an unpickler that only records the tensor layout
+(no ``torch.load``).
 """
 
 from __future__ import annotations

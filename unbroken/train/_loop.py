@@ -85,6 +85,7 @@ class Stepper:
         run = self.run
         it: Iterator[Any] | None = None
         left = 0
+        empty_passes = 0
         while True:
             if left == 0:
                 if run.done or run.stopped:
@@ -103,7 +104,11 @@ class Stepper:
                 batch = next(it)
             except StopIteration:
                 it = None
-                if empty:
+                # A pass resumed at the very end of an epoch may yield nothing (what is left of
+                # it is too little to give every rank a sample); a second empty pass in a row
+                # began at an epoch's start.
+                empty_passes = empty_passes + 1 if empty else 0
+                if empty_passes > 1:
                     raise ConfigError("the loader yielded no batch for a whole epoch") from None
                 nxt = _advance(run, loader)
                 run._end_epoch(nxt, last=_reached(epochs, nxt))
