@@ -201,10 +201,11 @@ def _validate_metadata(md: Any, directory: str) -> None:
             raise CorruptCheckpointError(f"{where}: non-integer offset for {idx.fqn!r}")
         if info.offset < 0 or info.length < 0:
             raise CorruptCheckpointError(f"{where}: negative offset for {idx.fqn!r}")
-        if getattr(info, "transform_descriptors", None):  # a field from torch 2.8
+        transforms = getattr(info, "transform_descriptors", None)  # a field from torch 2.8
+        if transforms:
             raise UnsafeCheckpointError(
                 f"{where}: tensor {idx.fqn!r} uses stream transforms "
-                f"{list(info.transform_descriptors)}, which unbroken does not read"
+                f"{list(transforms)}, which unbroken does not read"
             )
         name = info.relative_path
         if not isinstance(name, str):
