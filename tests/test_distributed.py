@@ -39,6 +39,29 @@ def test_ddp_world2_interrupted_every_way_is_bitwise(tmp_path: Path) -> None:
     assert_identical(ref, cut)
 
 
+def test_ddp_model_change_is_rewrapped_and_resumes_into_the_new_stage(tmp_path: Path) -> None:
+    """A callback widens the model at step 6 under DDP (world 2): the run wraps the new model
+    in DDP again, and resumes into the widened stage (model_factory before loading)."""
+    grow = ["--grow-at", "6"]
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    assert _run(ref, 2, *grow)[0] == [0, 0]
+    # SIGKILL just before the change (checkpoint 4), then SIGTERM right after it (step 7).
+    assert _run(cut, 2, *grow, "--signal-at", "5")[0] == [KILLED, KILLED]
+    assert _run(cut, 2, *grow, "--signal-at", "7", "--signal", "TERM")[0] == [75, 75]
+    assert CheckpointStore(str(cut)).latest().step > 6  # saved after the change
+    assert _run(cut, 2, *grow)[0] == [0, 0]
+    assert_identical(ref, cut)
+    ta, _ = final_state(cut)
+    assert [v.shape for k, v in ta.items() if k.startswith("model") and k.endswith("0.weight")]
+    assert all(
+        v.shape == (64, 8)
+        for k, v in ta.items()
+        if k.startswith("model") and k.endswith("0.weight")
+    )
+    events = [r for r in unbroken.read_metrics(str(cut), events=True) if "event" in r]
+    assert [e["step"] for e in events if e["event"] == "model_changed"] == [6]
+
+
 def test_a_rank_failing_during_a_save_commits_nothing(tmp_path: Path) -> None:
     codes, errs = _run(tmp_path, 2, "--fail-save-at", "8", "--fail-rank", "1", allowed=(1,))
     assert codes == [1, 1]
@@ -74,8 +97,11 @@ def test_fsdp2_world2_resumes_on_world3_then_world1(tmp_path: Path) -> None:
     assert _run(ref, 2, *common)[0] == [0, 0]
     assert _run(cut, 2, *common, "--signal-at", "9")[0] == [KILLED, KILLED]  # checkpoint 8
     # 2 shards resharded onto 3 ranks (rank 2 is new), then 3 onto 1.
-    _run(cut, 3, *common, "--dump-after-load", str(tmp_path / "w3.safetensors"))
+    _, errs = _run(cut, 3, *common, "--dump-after-load", str(tmp_path / "w3.safetensors"))
     _assert_loaded_state_equals_checkpoint(cut, tmp_path / "w3.safetensors", 8)
+    # The new rank is told its random streams could not be restored; the others are silent.
+    new_rank = "rank 2 did not exist when step 8 was saved (world size 2)"
+    assert new_rank in errs[2] and "did not exist" not in errs[0] + errs[1], errs[2][-2000:]
     # SIGTERM to a rank that does not commit: all three agree, save step 11 and exit 75.
     term = ["--signal-at", "10", "--signal", "TERM", "--signal-rank", "2"]
     assert _run(cut, 3, *common, *term)[0] == [75, 75, 75]

@@ -546,6 +546,27 @@ def test_progress_bar_shows_steps_and_next_save(tmp_path, capsys, runs):
     assert "loss=0.5" in err
 
 
+def test_progress_bar_of_epochs_has_a_total_and_shows_time_triggers(tmp_path, capsys, runs):
+    # No max_steps: the total comes from the epochs (3 x 5 batches), so tqdm can show an ETA;
+    # the time-based save and the time limit show how far away they are.
+    loader = unbroken.DataLoader(list(range(20)), batch_size=4, seed=0)
+    run = runs(
+        tmp_path / "run",
+        **_net(),
+        loader=loader,
+        progress=True,
+        save_every_minutes=30,
+        time_limit="2:00:00",
+    )
+    for _ in run.epochs(3):
+        for _batch in loader:
+            run.step(loss=0.5)
+    err = capsys.readouterr().err
+    assert "15/15" in err
+    assert re.search(r"next save in (29\.\d|30\.0) min", err), err[-500:]
+    assert re.search(r"stop and save in 1[12]\d\.\d min", err), err[-500:]
+
+
 @pytest.mark.parametrize("progress", [False, None], ids=["off", "default-not-a-tty"])
 def test_no_progress_output_when_off(tmp_path, capsys, runs, progress):
     run = runs(tmp_path / "run", **_net(), progress=progress, save_every=4, max_steps=10)

@@ -58,6 +58,31 @@ def test_keep_last_two(tmp_path):
     assert_same(restore(store.open(5)), snaps[5])
 
 
+def test_keep_last_never_counts_a_damaged_checkpoint(tmp_path):
+    # keep_last=2 keeps the new checkpoint and one intact older one: a truncated checkpoint 4
+    # must not stand in for it, so 3 survives (and 4 is kept while it is the newer one).
+    run = str(tmp_path)
+    snaps = run_steps(run, range(1, 5), Retention(keep_last=2))
+    assert steps_on_disk(run) == [3, 4]
+    data = next(f for f in os.listdir(ckpt(run, 4)) if f.endswith(".distcp"))
+    with open(os.path.join(ckpt(run, 4), data), "r+b") as f:
+        f.truncate(10)
+    save_at(run, 5, Retention(keep_last=2))
+    assert steps_on_disk(run) == [3, 4, 5]
+    assert_same(restore(CheckpointStore(run).open(3)), snaps[3])
+    save_at(run, 6, Retention(keep_last=2))
+    assert steps_on_disk(run) == [5, 6]
+
+
+def save_at(run: str, step: int, retention: Retention) -> None:
+    """A save of step ``step`` (a fresh registry trained that far), then retention."""
+    reg = make_registry()
+    train(reg, step)
+    store = CheckpointStore(run, retention)
+    save(store, reg)
+    store.apply_retention(step)
+
+
 def test_keep_every(tmp_path):
     run = str(tmp_path)
     run_steps(run, range(1, 8), Retention(keep_last=1, keep_every=3))

@@ -60,8 +60,8 @@ def _cli(work: Path, interrupts: int, *cmd: str) -> tuple[int, dict[str, Any]]:
     return proc.returncode, json.loads(proc.stdout)
 
 
-def _lib(work: Path | None, interrupts: int, *cmd: str) -> VerifyReport:
-    return verify_resume([PY, *cmd], interrupts=interrupts, work_dir=work, timeout=300)
+def _lib(work: Path | None, interrupts: int, *cmd: str, **kw: Any) -> VerifyReport:
+    return verify_resume([PY, *cmd], interrupts=interrupts, work_dir=work, timeout=300, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +72,17 @@ def verified(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     char_lm = ("--steps", "12", "--save-every", "4", "--workers", "0")
     char_lm += ("--context", "32", "--batch-size", "8")
     s2s = ("--steps", "8", "--save-every", "4", "--lines", "24", "--max-tokens", "600")
+    ticks: list[tuple[str, int, int | None]] = []
     jobs: dict[str, Callable[[], Any]] = {
         # The toy script (AdamW, LambdaLR, EMA, noisy data, dropout) through the CLI, K=3.
         "toy": lambda: _cli(work / "toy", 3, PY, str(TOY), "--run-dir", "{run_dir}", *toy),
         # The demo's char-level transformer (AMP + GradScaler, EMA), K=2, default temp dir.
-        "char_lm": lambda: _lib(None, 2, str(CHAR_LM), "--run-dir", "{run_dir}", *char_lm),
+        "char_lm": lambda: _lib(
+            None,
+            2,
+            *(str(CHAR_LM), "--run-dir", "{run_dir}", *char_lm),
+            step_progress=lambda *t: ticks.append(t),
+        ),
         # The translation example (token-budget batches of a parallel corpus), K=1.
         "seq2seq": lambda: _lib(work / "seq2seq", 1, str(SEQ2SEQ), "--run-dir", "{run_dir}", *s2s),
         # One interruption is enough to expose each bug; no {run_dir}: UNBROKEN_RUN_DIR.
@@ -91,7 +97,7 @@ def verified(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     with pytest.MonkeyPatch.context() as mp, ThreadPoolExecutor(max_workers=2) as pool:
         mp.setenv("OMP_NUM_THREADS", "1")
         futures = {name: pool.submit(job) for name, job in jobs.items()}
-        return {name: f.result() for name, f in futures.items()}
+        return {name: f.result() for name, f in futures.items()} | {"char_lm_ticks": ticks}
 
 
 # ---- exact scripts pass ---------------------------------------------------------------------
@@ -122,6 +128,14 @@ def test_char_lm_passes(verified: dict[str, Any]) -> None:
     assert len(report.interruptions) == 2 and report.launches == 3
     assert report.work_dir is None  # the temp dir is removed after a pass
     assert "PASS" in report.summary()
+
+
+def test_step_progress_reports_each_launch(verified: dict[str, Any]) -> None:
+    ticks = verified["char_lm_ticks"]
+    labels = {label for label, _, _ in ticks}
+    assert "reference" in labels and "interrupted, launch 1" in labels, labels
+    assert all(0 <= step <= 12 for _, step, _ in ticks)
+    assert {total for label, _, total in ticks if label != "reference"} == {12}
 
 
 def test_seq2seq_passes(verified: dict[str, Any]) -> None:

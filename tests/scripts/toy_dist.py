@@ -3,7 +3,9 @@
 Options beyond toy_train's: ``--mode ddp|fsdp``; ``--signal-rank R|all`` (which ranks signal
 themselves after step K); ``--fail-save-at K --fail-rank R`` (rank R's save at step K hits EIO);
 ``--dump-after-load FILE`` (rank 0 writes the full model, optimizer and EMA tensors right after
-the resume to a safetensors file, then exits).
+the resume to a safetensors file, then exits); ``--grow-at K`` (DDP: a ``before_step`` callback
+widens the hidden layer from 32 to 64 when step K starts; the loop uses ``run.model`` and
+``run.optimizer``, which the change replaces).
 """
 
 from __future__ import annotations
@@ -54,13 +56,28 @@ def main() -> None:
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--dump-after-load", default=None)
     p.add_argument("--async-save", action="store_true")
+    p.add_argument("--grow-at", type=int, default=None)
     a = p.parse_args()
 
     rank, world = unbroken.init_distributed()
     unbroken.seed_everything(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(a.dropout), torch.nn.Linear(32, 3)
-    )
+
+    def build(stage: dict) -> torch.nn.Module:
+        w = stage["width"]
+        return torch.nn.Sequential(
+            torch.nn.Linear(8, w),
+            torch.nn.ReLU(),
+            torch.nn.Dropout(a.dropout),
+            torch.nn.Linear(w, 3),
+        )
+
+    def widen(ctx) -> unbroken.Change | None:
+        if ctx.step != a.grow_at:
+            return None
+        torch.manual_seed(ctx.step)  # the new layers' initial weights: the same on every rank
+        return unbroken.Change(model=build({"width": 64}), stage={"width": 64})
+
+    model = build({"width": 32})
     if a.mode == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -85,6 +102,11 @@ def main() -> None:
         max_steps=a.steps,
         progress=False,
         async_save=a.async_save,
+        **(
+            {"before_step": widen, "model_factory": build, "stage": {"width": 32}}
+            if a.grow_at is not None
+            else {}
+        ),
     )
     if a.dump_after_load:
         from safetensors.torch import save_file
@@ -102,10 +124,10 @@ def main() -> None:
         return
     me = a.signal_rank == "all" or int(a.signal_rank) == rank
     for x, y in run.loop(loader):
-        loss = F.mse_loss(net(x), y.expand(-1, 3))
+        loss = F.mse_loss(run.model(x), y.expand(-1, 3))
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
         ema.update()
         if a.fail_save_at is not None and run.counters.step + 1 == a.fail_save_at:
             if rank == a.fail_rank:

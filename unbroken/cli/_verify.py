@@ -72,7 +72,11 @@ def run(args: argparse.Namespace) -> int:
     from .._errors import ConfigError
     from ..verify import VerifyError, verify_resume  # imports torch: keep `--help` fast
 
+    bar = _StepBar() if not args.quiet and sys.stderr.isatty() else None
+
     def progress(msg: str) -> None:
+        if bar is not None:
+            bar.close()  # a phase ended: its line replaces the bar
         print(f"unbroken verify: {msg}", file=sys.stderr, flush=True)
 
     if not args.quiet:
@@ -92,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
             ignore=tuple(args.ignore),
             keep=args.keep,
             progress=None if args.quiet else progress,
+            step_progress=bar,
         )
     except (ConfigError, VerifyError) as e:
         if args.json:
@@ -100,11 +105,35 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE if isinstance(e, ConfigError) else EXIT_FAILURE
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if bar is not None:
+            bar.close()
     if args.json:
         print(json.dumps(report.as_dict(), indent=2, allow_nan=False))
     else:
         print(report.summary())
     return EXIT_OK if report.passed else EXIT_FAILURE
+
+
+class _StepBar:
+    """A tqdm bar of the launch in progress (its label, the step it logged, the total)."""
+
+    def __init__(self) -> None:
+        self._bar: Any = None
+        self._label = ""
+
+    def __call__(self, label: str, step: int, total: int | None) -> None:
+        from tqdm import tqdm
+
+        if self._bar is None or label != self._label:
+            self.close()
+            self._label = label
+            self._bar = tqdm(total=total, desc=label, unit="step", leave=False, file=sys.stderr)
+        self._bar.update(max(0, step - self._bar.n))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def _exit_on_signal(signum: int, frame: FrameType | None) -> None:

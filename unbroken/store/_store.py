@@ -270,7 +270,15 @@ class CheckpointStore:
         committed = [(s, p) for s, p in _layout.scan(self.run_dir) if s < newest and _is_ours(p)]
         keep = set(protect) | {newest}
         if r.keep_last is not None:
-            keep |= {s for s, _ in committed[: max(r.keep_last - 1, 0)]}
+            # Newest first, keep_last - 1 checkpoints besides the new one -- counting only those
+            # whose files are all there with their sizes (a stat each), so that a damaged
+            # checkpoint never takes the place of the last intact one; it is kept meanwhile.
+            intact = 0
+            for s, p in committed:
+                if intact >= r.keep_last - 1:
+                    break
+                keep.add(s)
+                intact += _sizes_ok(p)
         else:
             keep |= {s for s, _ in committed}
         if r.keep_every:
@@ -315,6 +323,14 @@ class CheckpointStore:
             open(path, "a").close()
         elif os.path.exists(path):
             os.remove(path)
+
+
+def _sizes_ok(path: str) -> bool:
+    try:
+        _manifest.verify_files(path, _manifest.read_manifest(path), checksums=False)
+        return True
+    except (CheckpointError, OSError):
+        return False
 
 
 def _is_ours(path: str) -> bool:

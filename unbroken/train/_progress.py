@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from tqdm import tqdm
@@ -23,5 +24,39 @@ class Progress:
             post["save"] = next_save
         self._bar.set_postfix(post, refresh=False)
 
+    def set_total(self, total: int | None) -> None:
+        if total is not None:
+            self._bar.total = total
+            self._bar.refresh()
+
     def close(self) -> None:
         self._bar.close()
+
+
+def next_save_text(cfg: Any, step: int, last_save_wall: float, deadline: float | None) -> str:
+    """The save triggers the bar can predict: "next save in 12 steps, 4.5 min", and when a
+    time limit will stop (and save) the run."""
+    parts, now = [], time.time()
+    if cfg.save_every:
+        parts.append(f"{cfg.save_every - step % cfg.save_every} steps")
+    if cfg.save_every_minutes is not None:
+        left = cfg.save_every_minutes * 60 - (now - last_save_wall)
+        parts.append(f"{max(0.0, left) / 60:.1f} min")
+    text = f"next save in {', '.join(parts)}" if parts else ""
+    if deadline is not None:
+        left = deadline - cfg.time_margin - now
+        text += f"{'; ' if text else ''}stop and save in {max(0.0, left) / 60:.1f} min"
+    return text
+
+
+def steps_for_epochs(loader: Any, counters: Any, num_epochs: int) -> int | None:
+    """The step count at the end of ``num_epochs`` epochs (one step per batch of ``loader``;
+    an estimate if the script accumulates gradients), or None if the loader cannot say."""
+    per_epoch = getattr(loader, "batches_per_epoch", None)
+    if not callable(per_epoch):
+        return None
+    n = per_epoch()
+    batch = getattr(loader, "batch_size", None)
+    position = getattr(loader, "position", 0) or 0
+    done = position // batch if isinstance(batch, int) and batch > 0 else 0
+    return counters.step + max(0, (num_epochs - counters.epoch) * n - done)

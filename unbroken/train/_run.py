@@ -36,7 +36,7 @@ from ..store._manifest import rank_file
 from ._config import RunConfig, deadline
 from ._loop import Stepper
 from ._metrics import MetricsLog
-from ._progress import Progress
+from ._progress import Progress, next_save_text, steps_for_epochs
 from ._signals import StopRequest
 from ._tree_peek import saved_stage
 
@@ -304,10 +304,7 @@ class Run:
         return True
 
     def _next_save_text(self) -> str:
-        every = self.config.save_every
-        if not every:
-            return ""
-        return f"next save in {every - self.counters.step % every} steps"
+        return next_save_text(self.config, self.counters.step, self._last_save_wall, self._deadline)
 
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """Epoch numbers from the one in progress to ``num_epochs - 1``; then ``finish()``."""
@@ -315,6 +312,11 @@ class Run:
             raise ConfigError(
                 "settings and before_step are applied at step starts, which only run.loop() "
                 "sees; use `for batch in run.loop(loader)` (with epochs= if you count epochs)"
+            )
+        if self._progress is not None and self.config.max_steps is None:
+            loaders = self._loaders()
+            self._progress.set_total(
+                steps_for_epochs(loaders[0] if loaders else None, self.counters, num_epochs)
             )
         while self.counters.epoch < num_epochs and not self.done:
             epoch = self.counters.epoch

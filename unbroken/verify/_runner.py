@@ -41,6 +41,9 @@ _POLL = 0.002  # seconds between looks at the metrics log
 _SPIN = 0.0005  # while waiting for a save to start: short, so a save of a millisecond is seen
 
 Progress = Callable[[str], None]
+StepProgress = Callable[[str, int, "int | None"], None]
+"""``(label, last logged step, total steps or None)``, about twice a second while a launch runs."""
+_TICK = 0.5
 
 
 def verify_resume(
@@ -55,6 +58,7 @@ def verify_resume(
     ignore: Sequence[str] = (),
     keep: bool = False,
     progress: Progress | None = None,
+    step_progress: StepProgress | None = None,
 ) -> VerifyReport:
     """Check that ``cmd``, interrupted and relaunched, ends exactly like an uninterrupted run.
 
@@ -70,13 +74,16 @@ def verify_resume(
 
     ``timeout`` bounds both runs together (seconds). ``work_dir`` keeps the run directories
     there (``reference/``, ``interrupted/``, with the logs of every launch); by default a
-    temporary directory, removed when the check passes unless ``keep``.
+    temporary directory, removed when the check passes unless ``keep``. ``progress`` gets a
+    line per phase and launch; ``step_progress(label, step, total)`` the step a launch has
+    logged, about twice a second (the CLI draws a bar with it).
     """
     argv = _check_command(cmd)
     _check_options(interrupts, atol, rtol, timeout)
     work, owned = _prepare_work(work_dir)
     say = progress or (lambda _msg: None)
     s = _Session(argv, work, None if timeout is None else time.monotonic() + timeout, say)
+    s.tick = step_progress
     notes = []
     if not any(PLACEHOLDER in a for a in argv):
         notes.append(
@@ -181,6 +188,13 @@ class _Outcome:
 class _Session:
     def __init__(self, argv: list[str], work: str, deadline: float | None, say: Progress):
         self.argv, self.work, self.deadline, self.say = argv, work, deadline, say
+        self.tick: StepProgress | None = None
+        self._live: tuple[str, str, int | None] = ("", "", None)  # label, run dir, total
+
+    def _show(self) -> None:
+        label, run_dir, total = self._live
+        if self.tick is not None and run_dir:
+            self.tick(label, last_logged_step(run_dir), total)
 
     # ---- the two runs -------------------------------------------------------------------------
 
@@ -188,6 +202,7 @@ class _Session:
         self.say(f"reference run (uninterrupted) in {run_dir}")
         t0 = time.perf_counter()
         proc, log = self._start(run_dir, "reference", 1)
+        self._live = ("reference", run_dir, None)
         try:
             code = self._finish(proc, log)
         finally:
@@ -231,6 +246,7 @@ class _Session:
             if out.launches > 1:
                 out.resumed_from.append(_latest_committed(run_dir))
             proc, log = self._start(run_dir, "interrupted", out.launches)
+            self._live = (f"interrupted, launch {out.launches}", run_dir, total)
             try:
                 hit = None if target is None else self._watch(proc, run_dir, target, save_steps)
                 code = self._finish(proc, log)
@@ -291,8 +307,18 @@ class _Session:
 
     def _finish(self, proc: subprocess.Popen[bytes], log: IO) -> int:
         try:
-            left = self._remaining()
-            return proc.wait(timeout=None if left is None else max(left, 0.01))
+            while True:
+                left = self._remaining()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(proc.args, 0)
+                tick = _TICK if self.tick is not None else None
+                wait = left if tick is None else (tick if left is None else min(tick, left))
+                try:
+                    return proc.wait(timeout=None if wait is None else max(wait, 0.01))
+                except subprocess.TimeoutExpired:
+                    if tick is None:
+                        raise
+                    self._show()
         except subprocess.TimeoutExpired:
             _reap(proc)
             raise VerifyError(f"timed out; the command was killed; log: {log.name}") from None
@@ -309,7 +335,11 @@ class _Session:
         root = _layout.checkpoints_dir(run_dir)
         later = [s for s in save_steps if s > target.step]
         gap = _gap(save_steps)
+        shown = time.monotonic()
         while proc.poll() is None:
+            if time.monotonic() - shown >= _TICK:
+                self._show()
+                shown = time.monotonic()
             left = self._remaining()
             if left is not None and left <= 0:
                 return None  # _finish reports the timeout
