@@ -26,21 +26,28 @@ def launch(
     world: int,
     timeout: float = 240,
     allowed: tuple[int, ...] = (0, 75, -signal.SIGKILL),
+    slurm: bool = False,
 ) -> tuple[list[int], list[str]]:
     """Run ``world`` ranks to the end; returns their exit codes (negative: killed by a signal)
     and stderr texts. Ranks still alive at the timeout are killed and the test fails: a hang
-    is a bug. An exit code outside ``allowed`` fails the test with every rank's stderr."""
+    is a bug. An exit code outside ``allowed`` fails the test with every rank's stderr.
+    ``slurm``: describe the ranks as srun does (``SLURM_PROCID``/``SLURM_NTASKS``/
+    ``SLURM_LOCALID``, with ``MASTER_ADDR``/``MASTER_PORT`` exported) instead of torchrun."""
     port = free_port()
     procs = []
     for rank in range(world):
+        names = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS")
+        if not slurm:
+            names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+        inherited = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
         env = {
-            **os.environ,
+            **inherited,
             "PYTHONPATH": str(ROOT),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
+            names[0]: str(rank),
+            names[1]: str(rank),
+            names[2]: str(world),
             "OMP_NUM_THREADS": "1",
         }
         procs.append(

@@ -19,8 +19,8 @@ TOY = ROOT / "tests" / "scripts" / "toy_dist.py"
 KILLED = -9
 
 
-def _run(run_dir: Path, world: int, *extra: str, allowed=(0, 75, KILLED)):
-    return launch(TOY, ["--run-dir", str(run_dir), *extra], world, allowed=allowed)
+def _run(run_dir: Path, world: int, *extra: str, allowed=(0, 75, KILLED), slurm: bool = False):
+    return launch(TOY, ["--run-dir", str(run_dir), *extra], world, allowed=allowed, slurm=slurm)
 
 
 def test_ddp_world2_interrupted_every_way_is_bitwise(tmp_path: Path) -> None:
@@ -60,6 +60,19 @@ def test_ddp_model_change_is_rewrapped_and_resumes_into_the_new_stage(tmp_path: 
     )
     events = [r for r in unbroken.read_metrics(str(cut), events=True) if "event" in r]
     assert [e["step"] for e in events if e["event"] == "model_changed"] == [6]
+
+
+def test_srun_environment_two_ranks_stop_together_and_resume(tmp_path: Path) -> None:
+    """Ranks described by SLURM's variables (as srun starts them) form the process group, agree
+    on a SIGTERM sent to rank 1 only (as scancel --signal may), and resume bit for bit."""
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    assert _run(ref, 2, "--steps", "8", slurm=True)[0] == [0, 0]
+    term = ["--steps", "8", "--signal-at", "3", "--signal", "TERM", "--signal-rank", "1"]
+    assert _run(cut, 2, *term, slurm=True)[0] == [75, 75]
+    manifest = CheckpointStore(str(cut)).latest()
+    assert manifest is not None and manifest.world_size == 2 and manifest.step == 4
+    assert _run(cut, 2, "--steps", "8", slurm=True)[0] == [0, 0]
+    assert_identical(ref, cut)
 
 
 def test_a_rank_failing_during_a_save_commits_nothing(tmp_path: Path) -> None:
