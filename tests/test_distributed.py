@@ -75,6 +75,20 @@ def test_srun_environment_two_ranks_stop_together_and_resume(tmp_path: Path) -> 
     assert_identical(ref, cut)
 
 
+def test_time_limit_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    """A 3 s budget with 0.1-0.2 s steps (rank 1 slower, so the ranks' clocks disagree): both
+    ranks stop, save the same step and exit 75 before the budget; the resumed run is exact."""
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    assert _run(ref, 2)[0] == [0, 0]
+    assert _run(cut, 2, "--time-limit", "3", "--step-sleep", "0.1")[0] == [75, 75]
+    stopped = CheckpointStore(str(cut)).latest()
+    assert stopped is not None and 1 <= stopped.step < 16
+    stops = [r for r in unbroken.read_metrics(str(cut), events=True) if r.get("event") == "stop"]
+    assert [r["step"] for r in stops] == [stopped.step] and "time" in stops[0]["reason"]
+    assert _run(cut, 2)[0] == [0, 0]
+    assert_identical(ref, cut)
+
+
 def test_a_rank_failing_during_a_save_commits_nothing(tmp_path: Path) -> None:
     codes, errs = _run(tmp_path, 2, "--fail-save-at", "8", "--fail-rank", "1", allowed=(1,))
     assert codes == [1, 1]

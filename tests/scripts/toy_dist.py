@@ -14,6 +14,7 @@ import argparse
 import errno
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,8 @@ def main() -> None:
     p.add_argument("--dump-after-load", default=None)
     p.add_argument("--async-save", action="store_true")
     p.add_argument("--grow-at", type=int, default=None)
+    p.add_argument("--time-limit", type=float, default=None, help="seconds (time_margin 0)")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step, rank 1 x2")
     a = p.parse_args()
 
     rank, world = unbroken.init_distributed()
@@ -102,6 +105,8 @@ def main() -> None:
         max_steps=a.steps,
         progress=False,
         async_save=a.async_save,
+        time_limit=a.time_limit,
+        time_margin=0.0,
         **(
             {"before_step": widen, "model_factory": build, "stage": {"width": 32}}
             if a.grow_at is not None
@@ -132,6 +137,8 @@ def main() -> None:
         if a.fail_save_at is not None and run.counters.step + 1 == a.fail_save_at:
             if rank == a.fail_rank:
                 _fsops.set_hook(_eio_on_write)
+        if a.step_sleep:
+            time.sleep(a.step_sleep * (2 if rank == 1 else 1))  # rank 1 is the slow one
         run.step(loss=loss, samples=list(loader.last_indices))
         if a.signal_at is not None and run.counters.step == a.signal_at and me:
             os.kill(os.getpid(), getattr(signal, "SIG" + a.signal))
