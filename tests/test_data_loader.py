@@ -343,6 +343,45 @@ def test_main_process_iteration_leaves_global_rng_untouched(cls):
     assert_same_rng(before, rng_states())
 
 
+class ThreeStreams(tud.Dataset):
+    """Each sample draws from all three global streams."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([random.random(), np.random.rand(), torch.rand(()).item()])
+
+
+@pytest.mark.parametrize("streams", ["torch", ("python", "numpy")])
+def test_reseed_globals_may_name_the_streams(streams):
+    names = (streams,) if isinstance(streams, str) else streams
+    cols = [i for i, n in enumerate(("python", "numpy", "torch")) if n in names]
+    full = torch.cat(list(unbroken.DataLoader(ThreeStreams(), 4, seed=3)))
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    before = rng_states()
+    some = torch.cat(list(unbroken.DataLoader(ThreeStreams(), 4, seed=3, reseed_globals=streams)))
+    # The named streams give the same values as a full reseed, and are put back afterwards;
+    # the others are drawn from (not reseeded) and so move on.
+    assert torch.equal(some[:, cols], full[:, cols])
+    others = [i for i in range(3) if i not in cols]
+    assert not torch.equal(some[:, others], full[:, others])
+    after = rng_states()
+    for i in range(3):
+        same = (
+            after[i] == before[i]
+            if i == 0
+            else all(np.array_equal(x, y) for x, y in zip(after[1], before[1], strict=True))
+            if i == 1
+            else torch.equal(after[2], before[2])
+        )
+        assert same is (i in cols), i
+    with pytest.raises(ConfigError, match="unknown stream"):
+        unbroken.DataLoader(ThreeStreams(), 4, reseed_globals=("torch", "cuda"))
+
+
 def test_worker_iterators_draw_nothing_from_global_torch_rng():
     torch.manual_seed(1)
     before = torch.get_rng_state()

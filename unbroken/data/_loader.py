@@ -73,10 +73,10 @@ class _Batches:
 class _SeededFetch(tud.Dataset[Any]):
     """Wraps the user's dataset: keys are (epoch, index) and each sample is seeded from them."""
 
-    def __init__(self, dataset: Any, seed: int, reseed_globals: bool) -> None:
+    def __init__(self, dataset: Any, seed: int, reseed_globals: Any) -> None:
         self.dataset = dataset
         self.seed = seed
-        self.reseed_globals = reseed_globals
+        self.streams = _seeding.streams_of(reseed_globals)
         self.protocol = callable(getattr(dataset, "get_sample", None))
 
     def _one(self, key: tuple[int, int]) -> Any:
@@ -86,17 +86,17 @@ class _SeededFetch(tud.Dataset[Any]):
             g = torch.Generator()
             g.manual_seed(s)
             return self.dataset.get_sample(index, g)
-        if self.reseed_globals:
-            _seeding.seed_globals(s)
+        if self.streams:
+            _seeding.seed_globals(s, self.streams)
         return self.dataset[index]
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
         return self.__getitems__([key])[0]
 
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
-        if self.protocol or not self.reseed_globals or tud.get_worker_info() is not None:
+        if self.protocol or not self.streams or tud.get_worker_info() is not None:
             return [self._one(k) for k in keys]
-        with _seeding.preserved_globals():
+        with _seeding.preserved_globals(self.streams):
             return [self._one(k) for k in keys]
 
     def __len__(self) -> int:
@@ -108,6 +108,10 @@ class DataLoader:
 
     ``batch_size`` is the *global* batch size (all ranks together) and may be changed at any
     time, e.g. by a schedule. ``rank``/``world_size`` default to torch.distributed's.
+    ``reseed_globals``: which global random streams ``dataset[i]`` gets seeded from (seed,
+    epoch, i) -- True (Python's, NumPy's and torch's), False, or some of ``"python"``,
+    ``"numpy"``, ``"torch"`` (fewer is faster); a dataset with ``get_sample(i, generator)``
+    gets a generator instead.
 
     Example::
 
@@ -137,7 +141,7 @@ class DataLoader:
         worker_init_fn: Callable[[int], None] | None = None,
         multiprocessing_context: Any = None,
         timeout: float = 0,
-        reseed_globals: bool = True,
+        reseed_globals: bool | str | Sequence[str] = True,
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:

@@ -6,10 +6,13 @@ import random
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
 import xxhash
+
+from .._errors import ConfigError
 
 _MASK63 = (1 << 63) - 1
 
@@ -44,20 +47,51 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def seed_globals(s: int) -> None:
+STREAMS = ("python", "numpy", "torch")
+
+
+def streams_of(reseed: Any) -> tuple[str, ...]:
+    """The global streams a loader reseeds per sample: True (all), False (none), or names.
+
+    Each costs per sample (about 4.6 us Python's, 3.2 us NumPy's, 1.3 us torch's on the dev
+    machine), and saving and restoring NumPy's around a batch in the main process about 0.12 ms:
+    a dataset whose augmentation draws only from torch's stream can say ``"torch"``.
+    """
+    if reseed is True:
+        return STREAMS
+    if reseed is False or reseed is None:
+        return ()
+    names = (reseed,) if isinstance(reseed, str) else tuple(reseed)
+    bad = [n for n in names if n not in STREAMS]
+    if bad:
+        raise ConfigError(
+            f"reseed_globals: unknown stream(s) {bad}; give True, False, or some of {STREAMS}"
+        )
+    return tuple(n for n in STREAMS if n in names)
+
+
+def seed_globals(s: int, streams: tuple[str, ...] = STREAMS) -> None:
     """Seed this process's global Python, NumPy and torch CPU streams (CUDA untouched)."""
-    random.seed(s)
-    np.random.seed(s & 0xFFFFFFFF)
-    torch.default_generator.manual_seed(s)
+    if "python" in streams:
+        random.seed(s)
+    if "numpy" in streams:
+        np.random.seed(s & 0xFFFFFFFF)
+    if "torch" in streams:
+        torch.default_generator.manual_seed(s)
 
 
 @contextmanager
-def preserved_globals() -> Iterator[None]:
+def preserved_globals(streams: tuple[str, ...] = STREAMS) -> Iterator[None]:
     """Leave the global streams exactly as they were (sample seeding in the main process)."""
-    py, np_state, t = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    py = random.getstate() if "python" in streams else None
+    np_state = np.random.get_state() if "numpy" in streams else None
+    t = torch.get_rng_state() if "torch" in streams else None
     try:
         yield
     finally:
-        random.setstate(py)
-        np.random.set_state(np_state)
-        torch.set_rng_state(t)
+        if py is not None:
+            random.setstate(py)
+        if np_state is not None:
+            np.random.set_state(np_state)
+        if t is not None:
+            torch.set_rng_state(t)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -127,7 +127,7 @@ class TokenBatchLoader:
         worker_init_fn: Callable[[int], None] | None = None,
         multiprocessing_context: Any = None,
         timeout: float = 0,
-        reseed_globals: bool = True,
+        reseed_globals: bool | str | Sequence[str] = True,
         restart_epoch_on_change: bool = False,
         rank: int | None = None,
         world_size: int | None = None,

@@ -29,7 +29,7 @@ class WindowFetch(_SeededFetch):
     """Seeded fetching; without workers, a window's samples (read to measure them) are kept
     and handed out again instead of being read twice."""
 
-    def __init__(self, dataset: Any, seed: int, reseed_globals: bool, keep: bool) -> None:
+    def __init__(self, dataset: Any, seed: int, reseed_globals: Any, keep: bool) -> None:
         super().__init__(dataset, seed, reseed_globals)
         self.keep = keep
         self.cache: dict[tuple[int, int], Any] = {}
