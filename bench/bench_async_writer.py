@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_loop import dataset, mlp, rates, train_step  # noqa: E402
+from bench_loop import dataset, interleaved, mlp, rates, train_step  # noqa: E402
 
 from unbroken.state import Payload, Registry  # noqa: E402
 from unbroken.store import AsyncSaver, CheckpointStore  # noqa: E402
@@ -184,19 +184,12 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="unbroken-bench-writer-", dir=a.dir)
     load_before = os.getloadavg()[0]
     modes = ["none", "thread", "process"]
-    res: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     try:
         for m in modes:  # warm-up
             one_run(m, dims, data, batch, every + 1, every, root)
-        for r in range(repeats):
-            s = r % len(modes)
-            for m in modes[s:] + modes[:s]:
-                res[m].append(one_run(m, dims, data, batch, steps, every, root))
-            print(
-                f"repeat {r + 1}/{repeats}: "
-                + ", ".join(f"{m} {res[m][-1]['steps_per_s']:.2f} steps/s" for m in modes),
-                flush=True,
-            )
+        res = interleaved(
+            modes, repeats, lambda m: one_run(m, dims, data, batch, steps, every, root)
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     load_after = os.getloadavg()[0]

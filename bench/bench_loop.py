@@ -42,7 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -260,6 +260,24 @@ def throughput(
     return rates(ends, took, blocking)
 
 
+def interleaved(
+    modes: list[str], repeats: int, run_one: Callable[[str], dict[str, float]], label: str = ""
+) -> dict[str, list[dict[str, float]]]:
+    """Every mode's results: each repeat runs every mode once, in rotated order (so the
+    machine's drift hits them alike), and prints their steps/s."""
+    res: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    for r in range(repeats):
+        s = r % len(modes)
+        for m in modes[s:] + modes[:s]:
+            res[m].append(run_one(m))
+        print(
+            f"{label}repeat {r + 1}/{repeats}: "
+            + ", ".join(f"{m} {res[m][-1]['steps_per_s']:.2f} steps/s" for m in modes),
+            flush=True,
+        )
+    return res
+
+
 def rates(ends: list[float], took: float, blocking: list[float]) -> dict[str, float]:
     """Throughput, and "efficiency": steps x the run's own median step / its wall time.
 
@@ -355,16 +373,12 @@ def main() -> None:
             data = dataset(batch * 200, dims[0], dims[-1])
             modes = ["none", "sync", "async"]
             throughput("async", dims, data, batch, every + 2, every, root)  # warm-up
-            tp: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
-            for r in range(repeats):
-                s = r % len(modes)
-                for m in modes[s:] + modes[:s]:
-                    tp[m].append(throughput(m, dims, data, batch, steps, every, root))
-                print(
-                    f"throughput repeat {r + 1}/{repeats}: "
-                    + ", ".join(f"{m} {tp[m][-1]['steps_per_s']:.2f} steps/s" for m in modes),
-                    flush=True,
-                )
+            tp = interleaved(
+                modes,
+                repeats,
+                lambda m: throughput(m, dims, data, batch, steps, every, root),
+                "throughput ",
+            )
             med = {m: {k: statistics.median(x[k] for x in v) for k in v[0]} for m, v in tp.items()}
             none = med["none"]["steps_per_s"]
             eff = {m: v["efficiency"] for m, v in med.items()}
