@@ -8,7 +8,7 @@ torch, NumPy and Python become components too.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -16,6 +16,7 @@ import torch
 
 from .._errors import StateError
 from ._protocol import Stateful
+from ._tree import escape
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -94,22 +95,26 @@ class OptimizerState:
             ],
         }
 
-    def template(self, path: str, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
-        """A load target for a saved state tensor the optimizer does not hold yet.
+    def templates(self) -> Callable[[str, tuple[int, ...], torch.dtype], Any]:
+        """``make(path, shape, dtype)``: a load target for a saved state tensor the optimizer
+        does not hold yet, or None for a plain tensor.
 
         For a sharded (DTensor) parameter, per-parameter state of the parameter's shape must be
-        sharded like it, so that DCP reshards into it; other tensors are plain.
+        sharded like it, so that DCP reshards into it. The name lookup is built once, here.
         """
-        parts = path.strip("/").split("/")
-        if len(parts) != 3 or parts[0] != "state":
-            return None
-        name = parts[1].replace("%2F", "/").replace("%25", "%")
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        by_name = dict(zip(self._names(), params, strict=True))
-        p = by_name.get(name)
-        if p is None or tuple(p.shape) != shape or not _is_dtensor(p):
-            return None
-        return torch.empty_like(p.detach(), dtype=dtype)
+        by_segment = {escape(n): p for n, p in zip(self._names(), params, strict=True)}
+
+        def make(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
+            parts = path.strip("/").split("/")
+            if len(parts) != 3 or parts[0] != "state":
+                return None
+            p = by_segment.get(parts[1])
+            if p is None or tuple(p.shape) != shape or not _is_dtensor(p):
+                return None
+            return torch.empty_like(p.detach(), dtype=dtype)
+
+        return make
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         names = self._names()

@@ -182,6 +182,8 @@ class Registry:
             live_by_path = {k: v for k, v in live.items()}
             wanted = _tree.tensor_names(trees[name])
             prefix = wanted[0].split("/", 1)[0] if wanted else name
+            templates = getattr(c.adapter, "templates", None)
+            make = templates() if templates is not None and wanted else None
             for key in wanted:
                 info = saved.get(key)
                 if info is None:
@@ -202,7 +204,6 @@ class Registry:
                 if cur is not None and _loadable_in_place(cur):
                     targets[key] = cur
                     continue
-                make = getattr(c.adapter, "template", None)
                 made = make(path, info.shape, info.dtype) if make is not None else None
                 targets[key] = (
                     made if made is not None else torch.empty(info.shape, dtype=info.dtype)

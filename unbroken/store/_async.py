@@ -24,6 +24,7 @@ import torch
 
 from .._errors import CheckpointWriteError
 from ..state import Payload
+from ..state._adapters import _is_dtensor
 from ._store import CheckpointStore
 
 
@@ -36,10 +37,6 @@ class AsyncSaver:
         self._error: BaseException | None = None
         self.last_blocking_seconds = 0.0
         self.last_total_seconds = 0.0
-
-    @property
-    def in_flight(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
     def save(
         self,
@@ -118,11 +115,3 @@ def _one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(n)
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(t, DTensor)

@@ -346,9 +346,9 @@ def load_tensors(
         )
 
 
-def check_records(directory: str, md: dcp_md.Metadata) -> int:
+def check_records(directory: str, md: dcp_md.Metadata) -> None:
     """Parse every tensor record's description as a load would, reading no tensor data: an
-    unsafe or malformed record raises, naming its file and tensor. Returns how many."""
+    unsafe or malformed record raises, naming its file and tensor."""
     per_file: dict[str, list[tuple[Any, _StorageInfo]]] = {}
     for idx, info in md.storage_data.items():
         per_file.setdefault(info.relative_path, []).append((idx, info))
@@ -357,7 +357,6 @@ def check_records(directory: str, md: dcp_md.Metadata) -> int:
         with open(path, "rb", buffering=0) as f:
             for idx, info in sorted(entries, key=lambda e: e[1].offset):
                 _fastread.locate(f, info.offset, info.length, f"{path}: tensor {idx.fqn!r}")
-    return sum(len(e) for e in per_file.values())
 
 
 def _load_direct(directory: str, md: dcp_md.Metadata, targets: dict[str, torch.Tensor]) -> bool:

@@ -267,7 +267,9 @@ class CheckpointStore:
     def apply_retention(self, newest: int, protect: Iterable[int] = ()) -> list[int]:
         """Delete committed checkpoints older than ``newest`` that the policy does not keep."""
         r = self.retention
-        committed = [(s, p) for s, p in _layout.scan(self.run_dir) if s < newest and _is_ours(p)]
+        older = [(s, p, _manifest_of(p)) for s, p in _layout.scan(self.run_dir) if s < newest]
+        manifests = {p: m for _, p, m in older if m is not None}  # None: not ours
+        committed = [(s, p) for s, p, _ in older if p in manifests]
         keep = set(protect) | {newest}
         if r.keep_last is not None:
             # Newest first, keep_last - 1 checkpoints besides the new one -- counting only those
@@ -278,7 +280,7 @@ class CheckpointStore:
                 if intact >= r.keep_last - 1:
                     break
                 keep.add(s)
-                intact += _sizes_ok(p)
+                intact += _sizes_ok(p, manifests[p])
         else:
             keep |= {s for s, _ in committed}
         if r.keep_every:
@@ -325,20 +327,20 @@ class CheckpointStore:
             os.remove(path)
 
 
-def _sizes_ok(path: str) -> bool:
+def _sizes_ok(path: str, manifest: dict[str, Any]) -> bool:
     try:
-        _manifest.verify_files(path, _manifest.read_manifest(path), checksums=False)
+        _manifest.verify_files(path, manifest, checksums=False)
         return True
     except (CheckpointError, OSError):
         return False
 
 
-def _is_ours(path: str) -> bool:
+def _manifest_of(path: str) -> dict[str, Any] | None:
+    """The checkpoint's manifest if it parses (a directory that is ours), else None."""
     try:
-        _manifest.read_manifest(path)
-        return True
+        return _manifest.read_manifest(path)
     except CheckpointError:
-        return False
+        return None
 
 
 def _attempt(fn: Any) -> BaseException | None:

@@ -282,7 +282,9 @@ class Run:
             out_of_time = time.time() + need + self.config.time_margin >= self._deadline
         minutes = self.config.save_every_minutes
         minutes_due = minutes is not None and time.time() - self._last_save_wall >= minutes * 60
-        if loss is not None and isinstance(loss, torch.Tensor):
+        shown = self._metrics is not None or self._progress is not None
+        if isinstance(loss, torch.Tensor) and (shown or self.world_size > 1):
+            # .item() waits for the device: only when the value is logged, shown or averaged.
             loss = loss.detach().float().mean().item()
         if self.world_size == 1:
             return signalled, out_of_time, minutes_due, loss

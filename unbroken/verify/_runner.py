@@ -26,7 +26,7 @@ from typing import IO, Any
 
 from .._errors import ConfigError
 from .._exit import EXIT_OK, EXIT_RESUMABLE
-from .._logfile import last_logged_step
+from .._logfile import METRICS_FILE, last_logged_step
 from ..store import _layout
 from ._compare import compare_runs
 from ._errors import ScriptFailedError, VerifyError
@@ -429,7 +429,7 @@ class _StepProbe:
     """The last step logged in ``RUN/metrics.jsonl``, re-read only when the file changed."""
 
     def __init__(self, run_dir: str) -> None:
-        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.path = os.path.join(run_dir, METRICS_FILE)
         self._size = -1
         self._last = 0
 
