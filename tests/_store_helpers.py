@@ -252,7 +252,7 @@ def refresh_manifest(path: str, *names: str) -> None:
 def rewrite_metadata(path: str, edit: Callable[[Any], None], md: Any = None) -> None:
     """Apply ``edit`` to the DCP metadata object (``md``, or the one in ``path``), pickle it
     back and fix up the manifest."""
-    from unbroken.store import read_metadata
+    from unbroken.store._v1 import read_metadata
 
     md = md if md is not None else read_metadata(path)
     edit(md)

@@ -14,7 +14,8 @@ import torch
 
 from tests._store_helpers import REPO, ckpt, make_registry, make_run, save, train
 from unbroken.cli import build_parser, main
-from unbroken.store import CheckpointReader, CheckpointStore, SafeReader
+from unbroken.store import CheckpointReader, CheckpointStore, TensorReader
+from unbroken.store import _direct
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +51,13 @@ def flip(path: str) -> None:
 
 def test_ls_table(run, capsys):
     CheckpointStore(run).pin(1)
-    flip(os.path.join(ckpt(run, 3), "__0_0.distcp"))
+    flip(os.path.join(ckpt(run, 3), "tensors-r00000.bin"))
     code, out, err = cli(capsys, "ls", run)
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0].split() == ["STEP", "SIZE", "AGE", "PINNED", "STATUS"]
     assert len(lines) == 4
-    assert lines[1].split()[0] == "3" and "corrupt: __0_0.distcp does not match" in lines[1]
+    assert lines[1].split()[0] == "3" and "corrupt: tensors-r00000.bin does not match" in lines[1]
     assert lines[2].split()[0] == "2" and lines[2].endswith("valid, latest")
     assert lines[3].split()[0] == "1" and "pinned" in lines[3] and lines[3].endswith("valid")
     assert "KiB" in lines[2]
@@ -82,8 +83,8 @@ def test_ls_json(run, capsys):
 
 
 def test_ls_no_verify_checks_sizes_only(run, capsys):
-    flip(os.path.join(ckpt(run, 3), "__0_0.distcp"))
-    with open(os.path.join(ckpt(run, 2), "__0_0.distcp"), "ab") as f:
+    flip(os.path.join(ckpt(run, 3), "tensors-r00000.bin"))
+    with open(os.path.join(ckpt(run, 2), "tensors-r00000.bin"), "ab") as f:
         f.write(b"x")
     code, out, _ = cli(capsys, "ls", run, "--json", "--no-verify")
     assert code == 0
@@ -174,7 +175,7 @@ def test_inspect_json(rich_run, capsys):
     ]
     counters = info["counters"]["counters"]
     assert counters["step"] == 2 and counters["samples"] == 10 and counters["epoch"] == 1
-    assert set(info["files"]) == {".metadata", "__0_0.distcp", "state.json", "rank-00000.json"}
+    assert set(info["files"]) == {"tensors.json", "tensors-r00000.bin", "state.json", "rank-00000.json"}
 
 
 def test_inspect_table(rich_run, capsys):
@@ -209,9 +210,9 @@ def test_inspect_step(run, capsys):
     assert code == 0 and json.loads(out)["step"] == 1
     code, _, err = cli(capsys, "inspect", run, "--step", "7")
     assert code == 3 and "found steps [1, 2, 3]" in err
-    flip(os.path.join(ckpt(run, 2), ".metadata"))
+    flip(os.path.join(ckpt(run, 2), "tensors.json"))
     code, _, err = cli(capsys, "inspect", run, "--step", "2")
-    assert code == 1 and ".metadata does not match its xxh3 checksum" in err
+    assert code == 1 and "tensors.json does not match its xxh3 checksum" in err
     code, _, err = cli(capsys, "inspect", ckpt(run, 1), "--step", "1")
     assert code == 2 and "--step applies to a run directory" in err
 
@@ -225,9 +226,9 @@ def test_inspect_exit_codes(run, tmp_path, capsys):
     os.remove(os.path.join(ckpt(run, 3), "manifest.json"))
     code, _, err = cli(capsys, "inspect", ckpt(run, 3))
     assert code == 1 and "manifest.json is missing" in err
-    flip(os.path.join(ckpt(run, 2), "__0_0.distcp"))
+    flip(os.path.join(ckpt(run, 2), "tensors-r00000.bin"))
     code, _, err = cli(capsys, "inspect", ckpt(run, 2))
-    assert code == 1 and "__0_0.distcp does not match its xxh3 checksum" in err
+    assert code == 1 and "tensors-r00000.bin does not match its xxh3 checksum" in err
     code, _, _ = cli(capsys, "inspect", ckpt(run, 2), "--no-verify")
     assert code == 0
 
@@ -237,7 +238,8 @@ def test_inspect_never_reads_tensor_data(run, capsys, monkeypatch):
         raise AssertionError("inspect read tensor data")
 
     monkeypatch.setattr(torch, "load", refuse)
-    monkeypatch.setattr(SafeReader, "read_data", refuse)
+    monkeypatch.setattr(TensorReader, "read_data", refuse)
+    monkeypatch.setattr(_direct.VerifiedReads, "into", refuse)
     monkeypatch.setattr(CheckpointReader, "load_tensors", refuse)
     code, out, err = cli(capsys, "inspect", run, "--json")
     assert code == 0, err

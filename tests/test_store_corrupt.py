@@ -21,7 +21,7 @@ from tests._store_helpers import (
 from unbroken import CorruptCheckpointError
 from unbroken.store import CheckpointReader, CheckpointStore
 
-FILES = [".metadata", "__0_0.distcp", "state.json", "rank-00000.json", "manifest.json"]
+FILES = ["tensors.json", "tensors-r00000.bin", "state.json", "rank-00000.json", "manifest.json"]
 
 
 @pytest.fixture(scope="module")
@@ -108,10 +108,10 @@ def test_renamed_checkpoint_dir_is_not_trusted(run):
 def test_manifest_with_wrong_file_checksum(run):
     run, snaps = run
     m = read_manifest_raw(ckpt(run, 2))
-    rec = m["files"]["__0_0.distcp"]
+    rec = m["files"]["tensors-r00000.bin"]
     rec["xxh3_64"] = format(int(rec["xxh3_64"], 16) ^ 1, "016x")
     write_manifest_raw(ckpt(run, 2), m)  # a consistent manifest that lies about one file
-    msg = expect_fallback(run, snaps, os.path.join(ckpt(run, 2), "__0_0.distcp"))
+    msg = expect_fallback(run, snaps, os.path.join(ckpt(run, 2), "tensors-r00000.bin"))
     assert "checksum" in msg
 
 
@@ -126,9 +126,9 @@ def test_manifest_with_wrong_file_size(run):
 def test_manifest_not_listing_the_metadata(run):
     run, snaps = run
     m = read_manifest_raw(ckpt(run, 2))
-    del m["files"][".metadata"]
+    del m["files"]["tensors.json"]
     write_manifest_raw(ckpt(run, 2), m)
-    expect_fallback(run, snaps, ".metadata")
+    expect_fallback(run, snaps, "tensors.json")
 
 
 def test_manifest_that_is_not_ours(run):
@@ -142,7 +142,7 @@ def test_extra_unknown_files_are_ignored_and_never_loaded(run, tmp_path):
     run, snaps = run
     marker = str(tmp_path / "MARKER")
     d = ckpt(run, 2)
-    for name in ("__1_0.distcp", "extra.pt", "notes.txt"):
+    for name in ("tensors-r00001.bin", "extra.pt", "notes.txt"):
         with open(os.path.join(d, name), "wb") as f:
             f.write(evil_pickle(marker))
     os.mkdir(os.path.join(d, "subdir"))
@@ -155,7 +155,7 @@ def test_extra_unknown_files_are_ignored_and_never_loaded(run, tmp_path):
 
 def test_every_checkpoint_corrupt_gives_none_and_names_each(run):
     run, _ = run
-    flip(os.path.join(ckpt(run, 1), "__0_0.distcp"))
+    flip(os.path.join(ckpt(run, 1), "tensors-r00000.bin"))
     truncate(os.path.join(ckpt(run, 2), "state.json"))
     reader, warned = latest(CheckpointStore(run))
     assert reader is None
@@ -165,6 +165,6 @@ def test_every_checkpoint_corrupt_gives_none_and_names_each(run):
 
 def test_without_checksums_sizes_are_still_checked(run):
     run, _ = run
-    truncate(os.path.join(ckpt(run, 2), "__0_0.distcp"))
+    truncate(os.path.join(ckpt(run, 2), "tensors-r00000.bin"))
     with pytest.raises(CorruptCheckpointError, match="truncated"):
         CheckpointReader(ckpt(run, 2)).verify(checksums=False)

@@ -64,7 +64,7 @@ def test_keep_last_never_counts_a_damaged_checkpoint(tmp_path):
     run = str(tmp_path)
     snaps = run_steps(run, range(1, 5), Retention(keep_last=2))
     assert steps_on_disk(run) == [3, 4]
-    data = next(f for f in os.listdir(ckpt(run, 4)) if f.endswith(".distcp"))
+    data = next(f for f in os.listdir(ckpt(run, 4)) if f.endswith(".bin"))
     with open(os.path.join(ckpt(run, 4), data), "r+b") as f:
         f.truncate(10)
     save_at(run, 5, Retention(keep_last=2))

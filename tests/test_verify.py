@@ -284,7 +284,7 @@ def test_json_state_and_dtype_are_compared(tmp_path: Path) -> None:
 def test_a_corrupt_checkpoint_is_reported(tmp_path: Path) -> None:
     ra = _run_dir(tmp_path / "a", torch.zeros(4))
     rb = _run_dir(tmp_path / "b", torch.zeros(4))
-    (payload,) = (rb / "checkpoints").glob("step-*/*.distcp")
+    (payload,) = (rb / "checkpoints").glob("step-*/tensors-r*.bin")
     data = bytearray(payload.read_bytes())
     data[-1] ^= 0xFF
     payload.write_bytes(bytes(data))

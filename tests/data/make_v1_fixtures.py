@@ -26,7 +26,7 @@ from tests._store_helpers import (  # noqa: E402
     make_run,
     refresh_manifest,
 )
-from unbroken.store import read_metadata  # noqa: E402
+from unbroken.store import read_metadata  # noqa: E402  (at e0ee667; now store._v1)
 
 
 class _Py311EnumPickler(pickle.Pickler):

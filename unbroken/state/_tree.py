@@ -98,10 +98,37 @@ def _encode_dict(obj: dict[Any, Any], path: str, out: dict[str, torch.Tensor]) -
 
 def join(tree: Json, tensors: dict[str, torch.Tensor]) -> Any:
     """Inverse of :func:`split`; raises CorruptCheckpointError on a malformed tree."""
+    try:
+        return _join(tree, tensors)
+    except (TypeError, ValueError, RuntimeError, OverflowError, AttributeError) as e:
+        # A consistent but hostile file ({"$device": "nope"}, {"$size": ["x"]}, ...).
+        raise CorruptCheckpointError(f"malformed state value: {str(e)[:200]}") from None
+
+
+class _AnyTensor(dict):  # type: ignore[type-arg]
+    """Stands for the loaded tensors while a tree is only being validated."""
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str)
+
+    def __getitem__(self, key: object) -> None:
+        return None
+
+
+def validate(tree: Json, where: str) -> None:
+    """Decode ``tree`` as a load would, without tensors; a malformed node raises
+    CorruptCheckpointError naming ``where`` (so inspect refuses what a load refuses)."""
+    try:
+        join(tree, _AnyTensor())
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"{where}: {e}") from None
+
+
+def _join(tree: Json, tensors: dict[str, torch.Tensor]) -> Any:
     if tree is None or isinstance(tree, (bool, int, float, str)):
         return tree
     if isinstance(tree, list):
-        return [join(v, tensors) for v in tree]
+        return [_join(v, tensors) for v in tree]
     if not isinstance(tree, dict):
         raise CorruptCheckpointError(f"unexpected JSON value of type {type(tree).__name__}")
     if len(tree) == 1:
@@ -110,22 +137,22 @@ def join(tree: Json, tensors: dict[str, torch.Tensor]) -> Any:
             return _decode_marker(key, tree[key], tensors)
     if any(k.startswith("$") for k in tree):
         raise CorruptCheckpointError(f"unknown state marker in {sorted(tree)!r}")
-    return {k: join(v, tensors) for k, v in tree.items()}
+    return {k: _join(v, tensors) for k, v in tree.items()}
 
 
 def _decode_marker(key: str, value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if key == "$tensor":
-        if value not in tensors:
+        if not isinstance(value, str) or value not in tensors:
             raise CorruptCheckpointError(f"tensor {value!r} is referenced but was not loaded")
         return tensors[value]
     if key == "$tuple":
-        return tuple(join(v, tensors) for v in _as_list(value, key))
+        return tuple(_join(v, tensors) for v in _as_list(value, key))
     if key == "$dict":
         out = {}
         for pair in _as_list(value, key):
             if not isinstance(pair, list) or len(pair) != 2:
                 raise CorruptCheckpointError("malformed $dict entry")
-            out[_hashable(join(pair[0], tensors))] = join(pair[1], tensors)
+            out[_hashable(_join(pair[0], tensors))] = _join(pair[1], tensors)
         return out
     if key == "$size":
         return torch.Size([int(v) for v in _as_list(value, key)])

@@ -1,10 +1,10 @@
 """Store layer: the run directory, commit protocol, checksums, scanning, retention, lock."""
 
 from ._async import AsyncSaver
-from ._dcpio import SafeReader, read_metadata
 from ._layout import checkpoints_dir, scan, step_name
 from ._lock import WriterLock
 from ._reader import CheckpointReader
+from ._storage import TensorReader, TensorWriter
 from ._store import CheckpointStore, Listing, Retention
 
 __all__ = [
@@ -13,10 +13,10 @@ __all__ = [
     "CheckpointStore",
     "Listing",
     "Retention",
-    "SafeReader",
+    "TensorReader",
+    "TensorWriter",
     "WriterLock",
     "checkpoints_dir",
-    "read_metadata",
     "scan",
     "step_name",
 ]

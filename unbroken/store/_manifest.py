@@ -10,13 +10,19 @@ from typing import Any
 import xxhash
 
 from .._errors import CorruptCheckpointError
-from ._dcpio import safe_file
+from ._safeio import MAX_JSON_BYTES as MAX_JSON_BYTES
+from ._safeio import read_json as read_json
+from ._safeio import safe_file
 
 FORMAT = "unbroken-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Written by this unbroken: tensors as raw bytes + JSON (_format). 1: DCP's pickled format."""
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_WORLD_SIZE = 1 << 20
+MAX_FILES = 1 << 22
 STATE_FILE = "state.json"
-MAX_JSON_BYTES = 512 << 20
 SELF_CHECKSUM = "manifest_xxh3_64"
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 
@@ -36,34 +42,17 @@ def self_checksum(manifest: dict[str, Any]) -> str:
     return xxhash.xxh3_64_hexdigest(dumps(body))
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {name}")
-
-
-def read_json(directory: str, name: str) -> Any:
-    """Parse ``name`` inside ``directory``: a regular file, size-bounded, strict JSON."""
-    path = safe_file(directory, name)
-    size = os.path.getsize(path)
-    if size > MAX_JSON_BYTES:
-        raise CorruptCheckpointError(f"{path} is {size} bytes, larger than any state file")
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptCheckpointError(f"{path} is not valid JSON: {e}") from None
-
-
 def read_manifest(directory: str) -> dict[str, Any]:
     """The manifest of a checkpoint directory, its schema checked (not yet its checksums)."""
-    m = read_json(directory, MANIFEST)
+    m = read_json(directory, MANIFEST, MAX_MANIFEST_BYTES)
     where = os.path.join(directory, MANIFEST)
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{where} is not an unbroken manifest")
-    if m.get("format_version") != FORMAT_VERSION:
+    version = m.get("format_version")
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise CorruptCheckpointError(
-            f"{where} has format version {m.get('format_version')!r}; this unbroken reads "
-            f"version {FORMAT_VERSION} (upgrade unbroken to read newer checkpoints)"
+            f"{where} has format version {version!r}; this unbroken reads versions "
+            f"{list(READABLE_VERSIONS)} (upgrade unbroken to read newer checkpoints)"
         )
     if m.get(SELF_CHECKSUM) != self_checksum(m):
         # The manifest is the one file no other record covers; a flipped bit in its step,
@@ -72,23 +61,49 @@ def read_manifest(directory: str) -> dict[str, Any]:
     for key, kind in (("step", int), ("world_size", int), ("files", dict), ("components", dict)):
         if not isinstance(m.get(key), kind) or isinstance(m.get(key), bool):
             raise CorruptCheckpointError(f"{where}: field {key!r} is missing or malformed")
-    for name, rec in m["files"].items():
+    if not 0 <= m["step"] < 1 << 62:
+        raise CorruptCheckpointError(f"{where}: step {m['step']} is out of range")
+    files = m["files"]
+    if len(files) > MAX_FILES:
+        raise CorruptCheckpointError(f"{where} lists {len(files)} files")
+    # Bounded by the files it lists (one state file per rank), so that a crafted world size
+    # cannot make a reader allocate or loop without bound.
+    if not 1 <= m["world_size"] <= min(MAX_WORLD_SIZE, len(files)):
+        raise CorruptCheckpointError(
+            f"{where}: world size {m['world_size']} does not fit the {len(files)} files it lists"
+        )
+    for name, rec in files.items():
         ok = isinstance(rec, dict) and isinstance(rec.get("size"), int)
+        ok = ok and not isinstance(rec.get("size"), bool) and 0 <= rec["size"] < 1 << 62
         if not ok or not _HEX16.match(str(rec.get("xxh3_64", ""))):
             raise CorruptCheckpointError(f"{where}: record of file {name!r} is malformed")
+    meta = m.get("meta")
+    if meta is not None and not isinstance(meta, dict):
+        raise CorruptCheckpointError(f"{where}: field 'meta' is malformed")
     return m
 
 
-def verify_files(directory: str, manifest: dict[str, Any], *, checksums: bool = True) -> None:
-    """Raise CorruptCheckpointError naming the first listed file that is missing or differs."""
+def verify_files(
+    directory: str,
+    manifest: dict[str, Any],
+    *,
+    checksums: bool = True,
+    skip: frozenset[str] | set[str] = frozenset(),
+) -> None:
+    """Raise CorruptCheckpointError naming the first listed file that is missing or differs.
+    Files in ``skip`` get their size checked only (format 2 data files: their checksums are
+    per chunk, see _storage.verify_data)."""
     for name, rec in sorted(manifest["files"].items()):
         path = safe_file(directory, name)
-        size = os.lstat(path).st_size
+        try:
+            size = os.lstat(path).st_size
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{path} is missing") from None
         if size != rec["size"]:
             raise CorruptCheckpointError(
                 f"{path} has {size} bytes, the manifest says {rec['size']} (truncated?)"
             )
-        if checksums and hash_file(path) != rec["xxh3_64"]:
+        if checksums and name not in skip and hash_file(path) != rec["xxh3_64"]:
             raise CorruptCheckpointError(f"{path} does not match its xxh3 checksum (corrupted)")
 
 
@@ -96,7 +111,9 @@ def hash_file(path: str, chunk: int = 8 << 20) -> str:
     h = xxhash.xxh3_64()
     buf = bytearray(chunk)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    from ._safeio import open_regular
+
+    with open(open_regular(path), "rb", buffering=0) as f:
         while n := f.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()

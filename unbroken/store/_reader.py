@@ -1,4 +1,8 @@
-"""Reading one committed checkpoint: manifest, JSON state, tensor metadata, tensors."""
+"""Reading one committed checkpoint: manifest, JSON state, tensor metadata, tensors.
+
+Format 2 (what this unbroken writes) reads through _storage, with nothing to unpickle;
+format 1 (unbroken 0.1) through _v1, its restricted unpickler kept for old run directories.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import torch
 
 from .._errors import CorruptCheckpointError
 from ..state import TensorInfo, _tree
-from . import _dcpio, _layout, _manifest
+from . import _format, _layout, _manifest, _storage
 
 
 class CheckpointReader:
@@ -25,8 +29,10 @@ class CheckpointReader:
                 f"{path} holds the manifest of step {self.step}; a checkpoint directory "
                 "must not be renamed"
             )
+        self.format_version: int = self.manifest["format_version"]
         self._infos: dict[str, TensorInfo] | None = None
-        self._metadata: Any = None
+        self._metadata: Any = None  # format 1: DCP metadata
+        self._table: dict[str, _format.Entry] | None = None  # format 2
 
     @property
     def world_size(self) -> int:
@@ -40,26 +46,43 @@ class CheckpointReader:
     def meta(self) -> dict[str, Any]:
         return dict(self.manifest.get("meta") or {})
 
-    def verify(self, *, checksums: bool = True) -> None:
-        _manifest.verify_files(self.path, self.manifest, checksums=checksums)
+    def verify(self, *, checksums: bool = True, data: bool = True) -> None:
+        """Check every file's size and (``checksums``) checksum, and parse the tensor metadata.
+        ``data=False`` leaves format 2 data files to the load, which verifies each chunk as
+        it reads it (a corrupt one then fails the load, naming the tensor)."""
+        skip: set[str] = set()
+        if self.format_version >= 2:
+            skip = {n for n in self.manifest["files"] if n.startswith("tensors-r")}
+        _manifest.verify_files(self.path, self.manifest, checksums=checksums, skip=skip)
         ranks = [_manifest.rank_file(r) for r in range(self.world_size)]
-        for name in (_manifest.STATE_FILE, ".metadata", *ranks):
+        payload = ".metadata" if self.format_version == 1 else _format.TABLE_FILE
+        for name in (_manifest.STATE_FILE, payload, *ranks):
             if name not in self.manifest["files"]:
                 raise CorruptCheckpointError(f"{self.path}: manifest does not list {name}")
         # Parse (safely) and validate the tensor metadata too, so that a checkpoint whose
         # checksums match but whose metadata is unsafe or malformed is skipped by latest().
         self.tensor_infos()
+        if self._table is not None:
+            unlisted = _format.data_files(self._table) - set(self.manifest["files"])
+            if unlisted:
+                raise CorruptCheckpointError(f"{self.path}: manifest does not list {unlisted}")
+            if checksums and data:
+                _storage.verify_data(self.path, self._table, self.manifest["files"])
 
     def check_contents(self) -> None:
         """Refuse what a restore would refuse, without restoring anything: the global and every
         rank's state file must parse (as JSON, and name only tensors the payload holds), and
-        every tensor record must describe a plain tensor (its pickle read by the layout-only
-        unpickler). Reads the records' headers, not their data."""
+        the tensor metadata must validate (format 2: every chunk inside its file, in bounds,
+        not overlapping; format 1: every record's header parsed and matching the metadata).
+        Reads no tensor data."""
         self.global_trees()
         for rank in range(self.world_size):
             self.local_trees(rank)
         self.tensor_infos()
-        _dcpio.check_records(self.path, self._metadata)
+        if self.format_version == 1:
+            from . import _v1
+
+            _v1.check_records(self.path, self._metadata)
 
     def global_trees(self) -> dict[str, Any]:
         return self._trees(_manifest.STATE_FILE)
@@ -77,7 +100,9 @@ class CheckpointReader:
         if not isinstance(comps, dict):
             raise CorruptCheckpointError(f"{os.path.join(self.path, name)} has no components")
         infos = self.tensor_infos()
+        where = os.path.join(self.path, name)
         for comp, tree in comps.items():
+            _tree.validate(tree, f"{where}: component {comp!r}")
             for key in _tree.tensor_names(tree):
                 if key not in infos:
                     raise CorruptCheckpointError(
@@ -88,12 +113,26 @@ class CheckpointReader:
 
     def tensor_infos(self) -> dict[str, TensorInfo]:
         if self._infos is None:
-            self._metadata = _dcpio.read_metadata(self.path)
-            self._infos = _dcpio.tensor_infos(self._metadata)
+            if self.format_version == 1:
+                from . import _v1
+
+                self._metadata = _v1.read_metadata(self.path)
+                self._infos = _v1.tensor_infos(self._metadata)
+            else:
+                sizes = {n: int(r["size"]) for n, r in self.manifest["files"].items()}
+                self._table = _storage.read_table(self.path, sizes)
+                self._infos = {k: TensorInfo(e.shape, e.dtype) for k, e in self._table.items()}
         return self._infos
 
-    def load_tensors(self, targets: dict[str, torch.Tensor]) -> None:
-        _dcpio.load_tensors(self.path, targets, self._metadata)
+    def load_tensors(self, targets: dict[str, torch.Tensor], *, verify: bool = True) -> None:
+        """Fill ``targets`` from the payload; format 2 verifies every chunk read (``verify``)."""
+        self.tensor_infos()
+        if self._table is not None:
+            _storage.load_tensors(self.path, self._table, targets, verify)
+        else:
+            from . import _v1
+
+            _v1.load_tensors(self.path, targets, self._metadata)
 
     def size_bytes(self) -> int:
         return sum(int(r["size"]) for r in self.manifest["files"].values())

@@ -33,7 +33,7 @@ from .._errors import (
 )
 from .._version import __version__
 from ..state import Payload
-from . import _dcpio, _fsops, _layout, _manifest
+from . import _fsops, _layout, _manifest, _storage
 from ._reader import CheckpointReader
 
 
@@ -156,7 +156,7 @@ class CheckpointStore:
         records: dict[str, tuple[int, str]] = {}
 
         def write_rank_files() -> None:
-            records.update(_dcpio.write_tensors(tmp, payload.tensors, group))
+            records.update(_storage.write_tensors(tmp, payload.tensors, group))
             name = _manifest.rank_file(rank)
             doc = {"components": payload.local_trees}
             records[name] = _fsops.write_file(os.path.join(tmp, name), _manifest.dumps(doc))

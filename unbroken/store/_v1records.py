@@ -1,4 +1,4 @@
-"""Reading a tensor record of a DCP data file straight into the destination tensor.
+"""Format 1 only: reading a tensor record of a DCP data file straight into the destination.
 
 DCP (torch_save format) stores each tensor as a small ``torch.save`` zip archive at an offset of a
 ``.distcp`` file. ``torch.load`` on it would unpickle ``data.pkl``, build a tensor, and then DCP
@@ -275,9 +275,21 @@ def _record(
     _, dtype, _key, _location, numel = layout.storage
     if data_start + file_size > length or file_size != int(numel) * dtype.itemsize:
         raise CorruptCheckpointError(f"{where}: tensor record lies outside its slice")
-    size = tuple(int(s) for s in layout.size)
-    stride = tuple(int(s) for s in layout.stride)
-    return Record(offset + data_start, file_size, dtype, size, stride, int(layout.offset))
+    try:
+        size = tuple(int(s) for s in layout.size)
+        stride = tuple(int(s) for s in layout.stride)
+        storage_offset = int(layout.offset)
+    except (TypeError, ValueError):
+        raise CorruptCheckpointError(f"{where}: tensor record has a malformed layout") from None
+    if len(size) != len(stride) or any(s < 0 for s in (*size, *stride, storage_offset)):
+        raise CorruptCheckpointError(f"{where}: tensor record has a malformed layout")
+    # The view must lie inside the storage, before anything of its size is allocated.
+    last = storage_offset + sum((n - 1) * st for n, st in zip(size, stride, strict=True))
+    if math.prod(size) and last >= int(numel):
+        raise CorruptCheckpointError(
+            f"{where}: tensor record's view {list(size)} lies outside its {numel}-element storage"
+        )
+    return Record(offset + data_start, file_size, dtype, size, stride, storage_offset)
 
 
 def _locate_zipfile(f: IO[bytes], offset: int, length: int, where: str) -> Record:

@@ -1,10 +1,10 @@
-"""Tensor payload through torch.distributed.checkpoint, written with checksums, read safely.
+"""Reading format 1 (unbroken 0.1's checkpoints), kept so that old run directories resume.
 
-Writing: DCP's own FileSystemWriter, with a filesystem whose streams hash while they write (no
-re-read for checksums) and announce fault-injection events. Durability is ours (see _commit),
-so DCP's own fsync is off.
+Format 1 is DCP's own ``FileSystemWriter`` layout: a pickled ``.metadata`` and ``torch.save``
+zip records in ``.distcp`` files. unbroken no longer writes it (format 2: _format, _storage)
+and this module is only reached for a manifest of format version 1.
 
-Reading: DCP's stock reader unpickles ``.metadata`` with plain ``pickle.load`` and would
+DCP's stock reader unpickles ``.metadata`` with plain ``pickle.load`` and would
 ``torch.load(weights_only=False)`` any byte item. :class:`SafeReader` unpickles the metadata
 with an allowlist of DCP's metadata classes, validates every path, offset and length before
 reading or allocating, refuses byte items, and reads each tensor record with _fastread: its zip
@@ -14,25 +14,22 @@ directory parsed by hand, its ``data.pkl`` by an unpickler that only records the
 
 from __future__ import annotations
 
+import enum
 import os
 import pickle
-import stat
-import warnings
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from pathlib import Path, PosixPath
+from pathlib import PosixPath
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_md
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
-from .._errors import CorruptCheckpointError, UnbrokenError, UnsafeCheckpointError
+from .._errors import CorruptCheckpointError, UnsafeCheckpointError
 from ..state import TensorInfo
-from . import _fastread, _fsops
+from . import _v1records as _fastread
+from ._safeio import safe_file
 
 MAX_METADATA_BYTES = 256 << 20
 
@@ -46,79 +43,6 @@ _MD_CLASSES = {
     "StorageMeta",
     "_MEM_FORMAT_ENCODING",
 }
-
-
-class _HashingFileSystem(FileSystem):
-    """DCP's local filesystem, but every file written is hashed and every step is an event."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: dict[str, tuple[int, str]] = {}
-
-    def create_stream(self, path, mode):
-        if "w" not in mode:
-            return super().create_stream(path, mode)
-        return self._hashing(str(path))
-
-    def _hashing(self, path: str):
-        fs = self
-
-        class _Stream(_fsops.HashingWriter):
-            def close(self) -> None:
-                was_open = not self.closed
-                super().close()
-                if was_open:
-                    fs.records[os.path.basename(self.path)] = (self.size, self.digest())
-
-        return _Stream(path)
-
-    def rename(self, path, new_path):
-        _fsops.rename(str(path), str(new_path))
-        old, new = os.path.basename(str(path)), os.path.basename(str(new_path))
-        if old in self.records:
-            self.records[new] = self.records.pop(old)
-
-    def mkdir(self, path):
-        Path(path).mkdir(parents=True, exist_ok=True)
-
-
-def write_tensors(
-    directory: str, tensors: Mapping[str, torch.Tensor], group: Any = None
-) -> dict[str, tuple[int, str]]:
-    """Write ``tensors`` with DCP into ``directory``; returns {file: (size, xxh3)} of this rank.
-
-    Collective when a process group is initialized: every rank calls it with its own tensors.
-    """
-    from .. import _dist
-
-    writer = dcp.FileSystemWriter(directory, sync_files=False, overwrite=True)
-    fs = _HashingFileSystem()
-    writer.fs = fs
-    with _dcp_call():
-        dcp.save(
-            dict(tensors), storage_writer=writer, process_group=group, no_dist=not _dist.active()
-        )
-    return dict(fs.records)
-
-
-@contextmanager
-def _dcp_call() -> Iterator[None]:
-    """Run a DCP call quietly and re-raise the first underlying error of ours or of the OS.
-
-    DCP wraps every rank's failure in CheckpointException (a BaseException); callers want the
-    real ENOSPC or UnsafeCheckpointError, with its path.
-    """
-    try:
-        with warnings.catch_warnings():
-            # "assuming the intent is to save in a single process": yes, it is.
-            warnings.filterwarnings("ignore", message=".*assuming the intent.*")
-            yield
-    except CheckpointException as e:
-        errors = [exc for exc, _ in e.failures.values()]
-        for exc in errors:
-            if isinstance(exc, (UnbrokenError, OSError)):
-                raise exc from None
-        raise CorruptCheckpointError(f"torch.distributed.checkpoint failed: {e}") from None
 
 
 # ---- reading ------------------------------------------------------------------------------------
@@ -140,24 +64,24 @@ class _MetadataUnpickler(pickle.Unpickler):
             return torch.serialization._get_layout
         if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "Path"):
             return PosixPath
+        if (module, name) in (("builtins", "getattr"), ("__builtin__", "getattr")):
+            # CPython 3.11.0-3.11.4 pickled an Enum member as getattr(cls, name) (gh-103116):
+            # resolved only for an Enum class this allowlist admitted, and a member name.
+            return _enum_member
         raise UnsafeCheckpointError(
             f"DCP metadata refers to {module}.{name}, which is not a DCP metadata class; "
             "the file may have been crafted to run code and is not loaded"
         )
 
 
-def safe_file(directory: str, name: str) -> str:
-    """The path of ``name`` inside ``directory``; refuse escapes, links and non-regular files."""
-    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
-        raise UnsafeCheckpointError(f"file name {name!r} in {directory} is not a plain file name")
-    path = os.path.join(directory, name)
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path} is missing") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise UnsafeCheckpointError(f"{path} is not a regular file (a link, FIFO or device?)")
-    return path
+def _enum_member(cls: Any, name: Any) -> Any:
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__ == dcp_md.__name__:
+        if isinstance(name, str) and name in cls.__members__:
+            return cls.__members__[name]
+    raise UnsafeCheckpointError(
+        f"DCP metadata calls getattr({cls!r}, {name!r}); only an Enum member of DCP's metadata "
+        "is allowed there, so the file is not loaded"
+    )
 
 
 def read_metadata(directory: str) -> dcp_md.Metadata:
@@ -173,7 +97,11 @@ def read_metadata(directory: str) -> dcp_md.Metadata:
             raise UnsafeCheckpointError(f"{path}: {e}") from None
         except Exception as e:
             raise CorruptCheckpointError(f"{path} cannot be parsed: {e}") from None
-    _validate_metadata(md, directory)
+    try:
+        _validate_metadata(md, directory)
+    except (AttributeError, TypeError, ValueError, OverflowError) as e:
+        # Consistent (checksums fixed up) but not DCP's shape: e.g. properties=None.
+        raise CorruptCheckpointError(f"{path} is malformed DCP metadata: {e}") from None
     return md
 
 
@@ -338,6 +266,8 @@ def load_tensors(
         if _load_direct(directory, md, targets):
             return
         metadata = md
+    from ._storage import _dcp_call
+
     with _dcp_call():
         dcp.load(
             targets,
@@ -356,7 +286,24 @@ def check_records(directory: str, md: dcp_md.Metadata) -> None:
         path = safe_file(directory, name)
         with open(path, "rb", buffering=0) as f:
             for idx, info in sorted(entries, key=lambda e: e[1].offset):
-                _fastread.locate(f, info.offset, info.length, f"{path}: tensor {idx.fqn!r}")
+                where = f"{path}: tensor {idx.fqn!r}"
+                rec = _fastread.locate(f, info.offset, info.length, where)
+                _check_record(md, idx, rec, where)
+
+
+def _check_record(md: dcp_md.Metadata, idx: Any, rec: _fastread.Record, where: str) -> None:
+    """A record must be the chunk the metadata describes: the load would refuse it otherwise."""
+    tmd = md.state_dict_metadata.get(idx.fqn)
+    if not isinstance(tmd, dcp_md.TensorStorageMetadata):
+        raise CorruptCheckpointError(f"{where}: the metadata has no tensor of that name")
+    chunk = next((c for c in tmd.chunks if tuple(c.offsets) == tuple(idx.offset or ())), None)
+    if chunk is None and len(tmd.chunks) == 1:
+        chunk = tmd.chunks[0]
+    if chunk is None or tuple(chunk.sizes) != rec.size or tmd.properties.dtype != rec.dtype:
+        raise CorruptCheckpointError(
+            f"{where}: the record holds {list(rec.size)} {rec.dtype}, the metadata describes "
+            f"{list(chunk.sizes) if chunk else '?'} {tmd.properties.dtype}"
+        )
 
 
 def _load_direct(directory: str, md: dcp_md.Metadata, targets: dict[str, torch.Tensor]) -> bool:

@@ -1,0 +1,382 @@
+"""Format 2 behind DCP's public storage API: DCP plans (and reshards), we decide the bytes.
+
+:class:`TensorWriter` / :class:`TensorReader` implement ``StorageWriter`` / ``StorageReader``:
+each rank writes its chunks into one raw data file (_direct), rank 0 writes the JSON table
+(_format), and a load reads each chunk straight into the tensor DCP resolves for it, verifying
+its checksum as it goes. Nothing is pickled, and nothing read is ever unpickled.
+
+In one process with plain tensors -- the common case -- save and load skip DCP's planning (a
+per-tensor cost that dominates for many small tensors) and produce or consume the very same
+files; DTensors, several ranks and resharding go through ``dcp.save`` / ``dcp.load``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_md
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+
+from .._errors import CorruptCheckpointError, UnbrokenError
+from . import _direct, _format, _fsops
+from ._format import Chunk, Entry
+
+
+def _dumps(obj: Any) -> bytes:
+    from ._manifest import dumps
+
+    return dumps(obj)
+
+
+class TensorWriter(StorageWriter):
+    """Writes format 2 into ``directory``; ``records`` gets {file: (size, xxh3)} of this rank."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__()
+        self.directory = directory
+        self.records: dict[str, tuple[int, str]] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.records = {}
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # The coordinator names every rank's data file, as FileSystemWriter assigns prefixes.
+        return [
+            dataclasses.replace(p, storage_data=_format.data_file(i)) for i, p in enumerate(plans)
+        ]
+
+    def write_data(
+        self, plan: SavePlan, planner: SavePlanner
+    ) -> torch.futures.Future[list[WriteResult]]:
+        name = plan.storage_data
+        pairs: list[tuple[Any, torch.Tensor]] = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                raise TypeError(
+                    f"{item.index.fqn!r} is not a tensor; unbroken saves objects as JSON state"
+                )
+            data = planner.resolve_data(item)
+            assert isinstance(data, torch.Tensor)
+            pairs.append((item, data))
+        chunks = _write_file(self.directory, name, pairs, self.records)
+        results = [
+            WriteResult(index=item.index, size_in_bytes=c.nbytes, storage_data=c)
+            for (item, _), c in zip(pairs, chunks, strict=True)
+        ]
+        fut: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: dcp_md.Metadata, results: list[list[WriteResult]]) -> None:
+        chunks = [r.storage_data for rank in results for r in rank]
+        doc = _format.encode(metadata, chunks)
+        self.records[_format.TABLE_FILE] = _fsops.write_file(
+            os.path.join(self.directory, _format.TABLE_FILE), _dumps(doc)
+        )
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return True
+
+    def storage_meta(self) -> dcp_md.StorageMeta | None:
+        return None
+
+
+def _write_file(
+    directory: str, name: str, pairs: list[tuple[Any, torch.Tensor]], records: dict
+) -> list[Chunk]:
+    """Write one data file; each pair is (a WriteItem, or (fqn, shape) in the direct path)."""
+    path = os.path.join(directory, name)
+    placed, size = _direct.write_chunks(path, pairs)
+    chunks = []
+    for key, offset, nbytes, digest in placed:
+        if isinstance(key, tuple):
+            fqn, offsets, sizes = key
+        else:
+            fqn = key.index.fqn
+            offsets, sizes = (
+                tuple(key.tensor_data.chunk.offsets),
+                tuple(key.tensor_data.chunk.sizes),
+            )
+        chunks.append(Chunk(fqn, tuple(offsets), tuple(sizes), name, offset, nbytes, digest))
+    records[name] = (size, _format.combine([c.xxh3 for c in chunks]))
+    return chunks
+
+
+def write_tensors(
+    directory: str, tensors: Mapping[str, torch.Tensor], group: Any = None
+) -> dict[str, tuple[int, str]]:
+    """Write ``tensors`` as format 2 into ``directory``; returns {file: (size, xxh3)} of this
+    rank. Collective when a process group is initialized: every rank calls it."""
+    from .. import _dist
+
+    if not _dist.active() and all(
+        type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors.values()
+    ):
+        return _write_direct(directory, tensors)
+    writer = TensorWriter(directory)
+    with _dcp_call():
+        dcp.save(
+            dict(tensors), storage_writer=writer, process_group=group, no_dist=not _dist.active()
+        )
+    return dict(writer.records)
+
+
+def _write_direct(
+    directory: str, tensors: Mapping[str, torch.Tensor]
+) -> dict[str, tuple[int, str]]:
+    records: dict[str, tuple[int, str]] = {}
+    pairs = [((k, (0,) * t.dim(), tuple(t.shape)), t) for k, t in tensors.items()]
+    chunks = _write_file(directory, _format.data_file(0), pairs, records)
+    table = {
+        c.fqn: {
+            "dtype": _format.DTYPE_NAMES[tensors[c.fqn].dtype],
+            "shape": list(c.sizes),
+            "chunks": [
+                {
+                    "offsets": list(c.offsets),
+                    "sizes": list(c.sizes),
+                    "file": c.file,
+                    "offset": c.offset,
+                    "nbytes": c.nbytes,
+                    "xxh3_64": c.xxh3,
+                }
+            ],
+        }
+        for c in chunks
+    }
+    doc = {"format": _format.FORMAT, "version": _format.VERSION, "tensors": table}
+    records[_format.TABLE_FILE] = _fsops.write_file(
+        os.path.join(directory, _format.TABLE_FILE), _dumps(doc)
+    )
+    return records
+
+
+@contextmanager
+def _dcp_call() -> Iterator[None]:
+    """Run a DCP call quietly and re-raise the first underlying error of ours or of the OS.
+
+    DCP wraps every rank's failure in CheckpointException (a BaseException); callers want the
+    real ENOSPC or UnsafeCheckpointError, with its path.
+    """
+    try:
+        with warnings.catch_warnings():
+            # "assuming the intent is to save in a single process": yes, it is.
+            warnings.filterwarnings("ignore", message=".*assuming the intent.*")
+            yield
+    except CheckpointException as e:
+        errors = [exc for exc, _ in e.failures.values()]
+        for exc in errors:
+            if isinstance(exc, (UnbrokenError, OSError)):
+                raise exc from None
+        for exc in errors:
+            inner = _innermost_oserror(exc)
+            if inner is not None:
+                raise inner from None
+        raise CorruptCheckpointError(f"torch.distributed.checkpoint failed: {e}") from None
+
+
+def _innermost_oserror(exc: BaseException | None) -> OSError | None:
+    seen = set()
+    found = None
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError):
+            found = exc
+        exc = exc.__cause__ or exc.__context__
+    return found
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+
+class TensorReader(StorageReader):
+    """Reads format 2 for ``dcp.load``; every chunk's checksum is verified as it is read."""
+
+    def __init__(self, directory: str, table: dict[str, Entry], verify: bool = True) -> None:
+        super().__init__()
+        self.directory, self.table, self.verify = directory, table, verify
+        self.storage_data: dict[Any, Chunk] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_md.Metadata:
+        return _format.to_metadata(self.table)
+
+    def set_up_storage_reader(
+        self, metadata: dcp_md.Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            chunk = self.storage_data[item.storage_index]
+            per_file.setdefault(chunk.file, []).append((chunk, item))
+        with ThreadPoolExecutor(1) as pool:
+            for name, items in per_file.items():
+                items.sort(key=lambda ci: ci[0].offset)
+                reads = _direct.VerifiedReads(self._path(name), pool, self.verify)
+                try:
+                    cached: tuple[Chunk | None, torch.Tensor | None] = (None, None)
+                    for chunk, item in items:
+                        target = planner.resolve_tensor(item).detach()
+                        cached = self._fill(reads, chunk, item, target, cached)
+                        planner.commit_tensor(item, target)
+                    reads.finish()
+                except BaseException:
+                    reads.abandon()
+                    raise
+        fut: torch.futures.Future[None] = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return True
+
+    def _path(self, name: str) -> str:
+        from ._safeio import safe_file
+
+        return safe_file(self.directory, name)
+
+    def _fill(self, reads: Any, chunk: Chunk, item: Any, target: torch.Tensor, cached: Any) -> Any:
+        dtype = self.table[chunk.fqn].dtype
+        whole = not any(item.storage_offsets) and tuple(item.lengths) == chunk.sizes
+        if whole and _fits(target, dtype, chunk.nbytes):
+            reads.into(chunk, target)
+            return (None, None)
+        if cached[0] is chunk:
+            data = cached[1]
+        else:
+            data = reads.new(chunk, dtype)  # resharding: one chunk feeds several targets
+        part = data
+        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+            part = part.narrow(dim, start, length)
+        if part.shape != target.shape:
+            raise CorruptCheckpointError(
+                f"{reads.path}: tensor {chunk.fqn!r} has shape {list(part.shape)}, the planner "
+                f"expected {list(target.shape)}"
+            )
+        target.copy_(part)
+        return (chunk, data)
+
+
+def _fits(target: torch.Tensor, dtype: torch.dtype, nbytes: int) -> bool:
+    return (
+        target.device.type == "cpu"
+        and target.is_contiguous()
+        and target.dtype == dtype
+        and target.numel() * target.element_size() == nbytes
+    )
+
+
+def load_tensors(
+    directory: str, table: dict[str, Entry], targets: dict[str, torch.Tensor], verify: bool = True
+) -> None:
+    """Fill ``targets`` (name -> preallocated tensor) from the format-2 payload of
+    ``directory``; a chunk whose bytes do not match its checksum raises CorruptCheckpointError
+    (the targets are then partly overwritten: the caller loads another checkpoint over them)."""
+    from .. import _dist
+
+    if not targets:
+        return
+    if not _dist.active() and _load_direct(directory, table, targets, verify):
+        return
+    with _dcp_call():
+        dcp.load(
+            targets,
+            storage_reader=TensorReader(directory, table, verify),
+            no_dist=not _dist.active(),
+        )
+
+
+def _load_direct(
+    directory: str, table: dict[str, Entry], targets: dict[str, torch.Tensor], verify: bool
+) -> bool:
+    """In one process, when every target is a plain tensor saved whole with its shape and
+    dtype, read the chunks straight into the targets without DCP's planning. Returns False,
+    having read nothing, for anything else (DCP handles or reports it)."""
+    per_file: dict[str, list[tuple[Chunk, torch.Tensor]]] = {}
+    for fqn, target in targets.items():
+        entry = table.get(fqn)
+        if (
+            entry is None
+            or len(entry.chunks) != 1
+            or type(target) not in (torch.Tensor, torch.nn.Parameter)
+        ):
+            return False
+        if entry.shape != tuple(target.shape) or entry.dtype != target.dtype:
+            return False
+        per_file.setdefault(entry.chunks[0].file, []).append((entry.chunks[0], target.detach()))
+    from ._safeio import safe_file
+
+    with ThreadPoolExecutor(1) as pool:
+        for name, pairs in per_file.items():
+            pairs.sort(key=lambda p: p[0].offset)
+            reads = _direct.VerifiedReads(safe_file(directory, name), pool, verify)
+            try:
+                for chunk, target in pairs:
+                    if _fits(target, target.dtype, chunk.nbytes):
+                        reads.into(chunk, target)
+                    else:
+                        target.copy_(reads.new(chunk, target.dtype))
+                reads.finish()
+            except BaseException:
+                reads.abandon()
+                raise
+    return True
+
+
+def read_table(directory: str, file_sizes: dict[str, int]) -> dict[str, Entry]:
+    """Parse and validate ``tensors.json`` of ``directory`` (see _format.parse)."""
+    from ._safeio import read_json
+
+    where = os.path.join(directory, _format.TABLE_FILE)
+    return _format.parse(read_json(directory, _format.TABLE_FILE), where, file_sizes)
+
+
+def verify_data(directory: str, table: dict[str, Entry], files: dict[str, Any]) -> None:
+    """Check every data file's chunks against the manifest's checksum of that file."""
+    from ._safeio import safe_file
+
+    for name, chunks in _format.file_chunks(table).items():
+        path = safe_file(directory, name)
+        digests = _direct.hash_chunks(path, chunks)
+        for c, d in zip(chunks, digests, strict=True):
+            if c.xxh3 != d:
+                raise CorruptCheckpointError(
+                    f"{path} does not match its xxh3 checksum (corrupted) in tensor {c.fqn!r}"
+                )
+        rec = files.get(name)
+        if rec is None or rec["xxh3_64"] != _format.combine(digests):
+            raise CorruptCheckpointError(f"{path} does not match its checksum in the manifest")
