@@ -8,15 +8,13 @@ every parameter: 784 tensors, 1.016 GB, filled with random values (a virtual dis
 zeros). Every variant saves or loads the same tensors; throughputs are state bytes / seconds.
 
 Save (every variant durable: its files fsynced before the clock stops):
-  unbroken sync     ``CheckpointStore.save(step, registry.collect(), meta)``: DCP + xxh3 while
-                    writing + fsync + manifest + rename, as ``Run.save()`` does
+  unbroken sync     ``CheckpointStore.save(step, registry.collect(), meta)``: format 2 (raw
+                    bytes, O_DIRECT pipelined writer, xxh3 per chunk while staging) + fsync +
+                    manifest + rename, as ``Run.save()`` does
   unbroken async    ``AsyncSaver.save``: blocking = what the caller waits for (collect +
                     snapshot into reused buffers + starting the writer thread), of which the
                     snapshot alone (``last_blocking_seconds``); total = until the background
                     write committed (nothing else running)
-  unbroken, CRC off unbroken sync with torch's per-record zip CRC-32 off
-                    (``torch.utils.serialization.config.save.compute_crc32``): not what
-                    unbroken does, it shows what that CRC costs
   torch.save        of {model, optimizer} state dicts, + fsync of the file and its directory
   safetensors       ``save_file`` of the flat tensors, + fsync of the file and its directory
   DCP               stock ``dcp.save`` with ``FileSystemWriter(sync_files=True)``
@@ -29,14 +27,21 @@ Save (every variant durable: its files fsynced before the clock stops):
 
 Load (warm: every file was read once before, so it is in the page cache), into the live
 tensors of an existing model and optimizer:
-  unbroken          open + verify (xxh3 of every file) + ``Registry.plan`` +
-                    ``CheckpointReader.load_tensors`` + ``Registry.restore``; also without the
-                    checksum pass (sizes are still checked)
+  unbroken          open + verify the JSON files + ``Registry.plan`` +
+                    ``CheckpointReader.load_tensors`` (every chunk's xxh3 computed while it is
+                    read, in a second thread) + ``Registry.restore``: one pass, as ``Run``
+                    resumes in one process
+  unbroken 2-pass   the same, with a full checksum pass over the data files first (what
+                    ``unbroken verify``/``ls`` and a multi-rank resume's rank 0 do)
+  unbroken no-verify the same without any checksum (sizes are still checked)
   torch.load        ``mmap=True, weights_only=True``, then ``load_state_dict`` / ``copy_`` into
                     the live tensors
   safetensors       ``load_file``, then ``copy_`` into the live tensors
   DCP               stock ``dcp.load`` into the live tensors
   readinto floor    ``readinto`` of the raw bytes (one file) into every live tensor
+
+Cold load (``--cold``, root only): the same loads after ``echo 3 > /proc/sys/vm/drop_caches``,
+for unbroken (one pass), safetensors and the readinto floor.
 
 Peak extra resident memory of each load is measured once per variant in a fresh subprocess:
 ``ru_maxrss`` after the load minus before it, with the live state already built and touched.
@@ -73,12 +78,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
-from torch.utils.serialization import config as ser_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from unbroken.state import Registry  # noqa: E402
-from unbroken.store import AsyncSaver, CheckpointStore  # noqa: E402
+from unbroken.store import AsyncSaver, CheckpointReader, CheckpointStore  # noqa: E402
 
 # (width, blocks, vocab, context)
 SHAPES = {
@@ -228,17 +232,6 @@ class Saves:
         shutil.rmtree(path)
         return dt
 
-    def unbroken_sync_no_crc(self) -> float:
-        """unbroken sync with torch's zip CRC-32 of every record off (not what unbroken does;
-        the CRC is redundant next to the xxh3 of every file, but readers that check zip CRCs,
-        Python's zipfile among them, would then refuse the records)."""
-        cfg = ser_config.save
-        cfg.compute_crc32 = False
-        try:
-            return self.unbroken_sync()
-        finally:
-            cfg.compute_crc32 = True
-
     def unbroken_async(self) -> tuple[float, float, float]:
         """(blocking as the caller sees it, the snapshot alone, total until committed)."""
         step = self._next()
@@ -346,7 +339,6 @@ SAVE_ROWS = (
     "async_blocking",
     "async_snapshot",
     "async_total",
-    "unbroken_sync_no_crc",
     "torch_save",
     "safetensors",
     "dcp",
@@ -354,7 +346,16 @@ SAVE_ROWS = (
     "buffered",
     "copy",
 )
-LOADS = ("unbroken", "unbroken_noverify", "torch_load", "safetensors", "dcp", "readinto")
+LOADS = (
+    "unbroken",
+    "unbroken_twopass",
+    "unbroken_noverify",
+    "torch_load",
+    "safetensors",
+    "dcp",
+    "readinto",
+)
+COLD = ("unbroken", "safetensors", "readinto")
 
 
 def write_fixtures(model: GPT, opt: Any, reg: Registry, root: str) -> dict[str, str]:
@@ -376,22 +377,23 @@ def write_fixtures(model: GPT, opt: Any, reg: Registry, root: str) -> dict[str, 
             f.write(_bytes_view(t))
     with open(paths["readinto"] + ".json", "w") as f:
         json.dump(list(tensors), f)  # the order of the bytes (a restore may reorder dicts)
-    paths["unbroken_noverify"] = paths["unbroken"]
+    paths["unbroken_noverify"] = paths["unbroken_twopass"] = paths["unbroken"]
     return paths
 
 
 def load_fn(kind: str, path: str, model: GPT, opt: Any, reg: Registry) -> Callable[[], None]:
     """One load of ``kind`` from ``path`` into the live tensors of ``model`` and ``opt``."""
-    if kind in ("unbroken", "unbroken_noverify"):
-        store = CheckpointStore(path)
-        checksums = kind == "unbroken"
+    if kind in ("unbroken", "unbroken_twopass", "unbroken_noverify"):
+        ckpt = os.path.join(path, "checkpoints", "step-000000001")
 
         def unbroken() -> None:
-            reader = store.open(1, checksums=checksums)
+            reader = CheckpointReader(ckpt)
+            # one pass: JSON files hashed, data files' sizes checked, chunks verified on read
+            reader.verify(checksums=kind != "unbroken_noverify", data=kind == "unbroken_twopass")
             trees = {**reader.global_trees(), **(reader.local_trees(0) or {})}
             names = reg.check_names(trees)
             targets = reg.plan(names, trees, reader.tensor_infos())
-            reader.load_tensors(targets)
+            reader.load_tensors(targets, verify=kind == "unbroken")
             reg.restore(names, trees, targets)
 
         return unbroken
@@ -498,7 +500,6 @@ def world_child(mode: str, run_dir: str, shape: str) -> None:
     import torch.distributed as dist
 
     from unbroken import _dist
-    from unbroken.store import CheckpointReader
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -577,6 +578,17 @@ def launch_world(mode: str, shape: str, root: str) -> dict[str, float]:
 # ---- main -------------------------------------------------------------------------------------
 
 
+def drop_caches() -> bool:
+    """Empty the page cache (root only); returns whether it could."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
 def rotated(items: list[str], r: int) -> list[str]:
     s = r % len(items)
     return items[s:] + items[:s]
@@ -588,6 +600,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=None, help="default 7 (3 with --quick)")
     p.add_argument("--dir", default=None, help="where to write (default: a temp dir in /tmp)")
     p.add_argument("--skip-world", action="store_true", help="skip the world 1 vs 2 part")
+    p.add_argument("--no-cold", action="store_true", help="skip the cold loads (need root)")
     p.add_argument("--shape", default=None, help=argparse.SUPPRESS)
     p.add_argument("--mem-child", nargs=2, default=None, help=argparse.SUPPRESS)
     p.add_argument("--world-child", nargs=2, default=None, help=argparse.SUPPRESS)
@@ -626,7 +639,6 @@ def run(a: argparse.Namespace, repeats: int, shape: str, wshape: str, root: str)
     save_fns: dict[str, Callable[[], Any]] = {
         "unbroken_sync": saves.unbroken_sync,
         "unbroken_async": saves.unbroken_async,
-        "unbroken_sync_no_crc": saves.unbroken_sync_no_crc,
         "torch_save": saves.torch_save,
         "safetensors": saves.safetensors,
         "dcp": saves.dcp,
@@ -667,6 +679,18 @@ def run(a: argparse.Namespace, repeats: int, shape: str, wshape: str, root: str)
         print(f"load repeat {r + 1}/{repeats} done", flush=True)
     lm = {k: statistics.median(v) for k, v in lt.items()}
     spread |= {f"load_{k}": [round(min(v), 4), round(max(v), 4)] for k, v in lt.items()}
+    cold: dict[str, float] = {}
+    if not a.no_cold and drop_caches():
+        ct: dict[str, list[float]] = {k: [] for k in COLD}
+        for r in range(repeats):
+            for k in rotated(list(COLD), r):
+                drop_caches()
+                t0 = time.perf_counter()
+                lfns[k]()
+                ct[k].append(time.perf_counter() - t0)
+            print(f"cold load repeat {r + 1}/{repeats} done", flush=True)
+        cold = {k: statistics.median(v) for k, v in ct.items()}
+        spread |= {f"cold_{k}": [round(min(v), 4), round(max(v), 4)] for k, v in ct.items()}
     del lfns
     mem = measure_memory(paths, shape)
     shutil.rmtree(os.path.join(root, "load"))
@@ -694,6 +718,7 @@ def run(a: argparse.Namespace, repeats: int, shape: str, wshape: str, root: str)
         sm=sm,
         lm=lm,
         mem=mem,
+        cold=cold,
         wm=wm,
         wbytes=wbytes,
         spread=spread,
@@ -714,6 +739,7 @@ def report(
     sm: dict[str, float],
     lm: dict[str, float],
     mem: dict[str, float],
+    cold: dict[str, float],
     wm: dict[str, dict[str, float]],
     wbytes: int,
     spread: dict[str, list[float]],
@@ -740,10 +766,6 @@ def report(
             sm["async_snapshot"],
         ),
         ("unbroken async: total (until committed)", sm["async_total"]),
-        (
-            "unbroken sync with torch's zip CRC-32 off (not what unbroken does)",
-            sm["unbroken_sync_no_crc"],
-        ),
         ("torch.save + fsync", sm["torch_save"]),
         ("safetensors save_file + fsync", sm["safetensors"]),
         ("DCP dcp.save (sync_files=True)", sm["dcp"]),
@@ -762,8 +784,9 @@ def report(
     print()
     floor = lm["readinto"]
     names = {
-        "unbroken": "unbroken: verify checksums + plan + load + restore",
-        "unbroken_noverify": "unbroken: same, without the checksum pass",
+        "unbroken": "unbroken: verified load, one pass (checksums while reading)",
+        "unbroken_twopass": "unbroken: checksum pass over the files, then load",
+        "unbroken_noverify": "unbroken: load without checksums",
         "torch_load": "torch.load(mmap=True) + copy into live tensors",
         "safetensors": "safetensors load_file + copy into live tensors",
         "dcp": "DCP dcp.load into live tensors",
@@ -780,6 +803,16 @@ def report(
             f"{lm[k] / floor:.2f}x | {mem[k] * 100:.1f}% |"
         )
     print()
+    if cold:
+        print("| load (cold: page cache dropped first) | seconds (min..max) | GB/s | vs readinto |")
+        print("| --- | ---: | ---: | ---: |")
+        for k in COLD:
+            lo, hi = spread[f"cold_{k}"]
+            print(
+                f"| {names[k]} | {cold[k]:.3f} ({lo:.2f}..{hi:.2f}) | {gbps(nbytes, cold[k])} | "
+                f"{cold[k] / cold['readinto']:.2f}x |"
+            )
+        print()
     if wm:
         w1 = wm["w1"]
         print(
@@ -802,7 +835,8 @@ def report(
         "save_over_ceiling": ceiling / sm["unbroken_sync"],
         "async_total_over_ceiling": ceiling / sm["async_total"],
         "save_over_buffered": sm["buffered"] / sm["unbroken_sync"],
-        "save_no_crc_over_ceiling": ceiling / sm["unbroken_sync_no_crc"],
+        "save_over_safetensors": sm["safetensors"] / sm["unbroken_sync"],
+        "load_over_safetensors": lm["unbroken"] / lm["safetensors"],
         "async_blocking_over_copy": sm["async_blocking"] / sm["copy"],
         "async_snapshot_over_copy": sm["async_snapshot"] / sm["copy"],
         "load_over_readinto": lm["unbroken"] / floor,
@@ -811,6 +845,8 @@ def report(
     }
     ok = {
         "save_over_ceiling": ratios["save_over_ceiling"] >= TARGETS["save_over_ceiling_min"],
+        "save_faster_than_safetensors": ratios["save_over_safetensors"] > 1.0,
+        "load_faster_than_safetensors": ratios["load_over_safetensors"] < 1.0,
         "async_blocking_over_copy": ratios["async_blocking_over_copy"]
         <= TARGETS["async_blocking_over_copy_max"],
         "load_over_readinto": ratios["load_over_readinto"] <= TARGETS["load_over_readinto_max"],
@@ -825,6 +861,14 @@ def report(
         f"{ratios['save_over_ceiling']:.2f}x | {ok['save_over_ceiling']} |"
     )
     print(
+        f"| durable save faster than safetensors + fsync (speed-up) | "
+        f"{ratios['save_over_safetensors']:.2f}x | {ok['save_faster_than_safetensors']} |"
+    )
+    print(
+        f"| verified load faster than safetensors + copy (time ratio) | "
+        f"{ratios['load_over_safetensors']:.2f}x | {ok['load_faster_than_safetensors']} |"
+    )
+    print(
         f"| async blocking <= 1.2x the copy floor | "
         f"{ratios['async_blocking_over_copy']:.2f}x | {ok['async_blocking_over_copy']} |"
     )
@@ -833,7 +877,7 @@ def report(
         f"{ratios['async_snapshot_over_copy']:.2f}x | - |"
     )
     print(
-        f"| warm load <= 1.3x readinto (with checksums) | "
+        f"| verified warm load (one pass) <= 1.3x readinto | "
         f"{ratios['load_over_readinto']:.2f}x | {ok['load_over_readinto']} |"
     )
     print(
@@ -857,6 +901,7 @@ def report(
         "save_s": {k: round(v, 4) for k, v in sm.items()},
         "load_s": {k: round(v, 4) for k, v in lm.items()},
         "load_extra_rss_fraction": {k: round(v, 4) for k, v in mem.items()},
+        "cold_load_s": {k: round(v, 4) for k, v in cold.items()},
         "spread_s": spread,
         "world_state_bytes": wbytes,
         "world_s": {m: {k: round(v, 4) for k, v in d.items()} for m, d in wm.items()},

@@ -20,8 +20,9 @@ import mmap
 import os
 import queue
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -35,6 +36,18 @@ STAGE_BYTES = 16 << 20
 STAGES = 4
 BLOCK = 4096
 _INLINE_HASH = 1 << 20  # smaller chunks are hashed inline: a thread hand-off costs more
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    # The copies into the stages are memcpy-bound; torch's intra-op threads only fight the
+    # writer thread for the cores (measured: several times slower on 2 cores).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 class _Stages:
@@ -113,7 +126,7 @@ def write_chunks(path: str, tensors: Iterable[tuple[Any, torch.Tensor]]) -> tupl
     """Create ``path`` holding every tensor's bytes; returns ([(key, offset, nbytes, xxh3)],
     file size). Errors are OSErrors naming ``path`` (the disk's own errno kept)."""
     _fsops.event("create", path)
-    with _stages.lock:
+    with _stages.lock, _one_thread():
         _stages.ensure()
         fd, _direct = _open_for_write(path)
         try:
@@ -257,7 +270,7 @@ class VerifiedReads:
 def hash_chunks(path: str, chunks: list[Chunk]) -> list[str]:
     """Each chunk's xxh3 as the file holds it (a verify without a load target)."""
     fd = _safeio.open_regular(path)
-    buf = bytearray(8 << 20)
+    buf = bytearray(1 << 20)
     try:
         out = []
         for c in chunks:

@@ -11,8 +11,8 @@ import xxhash
 
 from .._errors import CorruptCheckpointError
 from ._safeio import MAX_JSON_BYTES as MAX_JSON_BYTES
+from ._safeio import open_regular, safe_file
 from ._safeio import read_json as read_json
-from ._safeio import safe_file
 
 FORMAT = "unbroken-checkpoint"
 FORMAT_VERSION = 2
@@ -109,11 +109,10 @@ def verify_files(
 
 def hash_file(path: str, chunk: int = 8 << 20) -> str:
     h = xxhash.xxh3_64()
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    from ._safeio import open_regular
-
     with open(open_regular(path), "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        buf = bytearray(max(1, min(chunk, size)))  # JSON files are small: no 8 MB buffer
+        view = memoryview(buf)
         while n := f.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()
