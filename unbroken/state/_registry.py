@@ -222,7 +222,7 @@ class Registry:
                 c.adapter.load_state_dict(state)
             except StateError:
                 raise
-            except (KeyError, ValueError, RuntimeError, TypeError) as e:
+            except (KeyError, ValueError, RuntimeError, TypeError, AttributeError, IndexError) as e:
                 raise StateError(f"component {name!r} could not load its state: {e}") from e
 
 
