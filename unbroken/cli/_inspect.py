@@ -2,7 +2,8 @@
 
 Neither command loads tensor data or unpickles anything: ``ls`` checks every checkpoint's
 files against its manifest (sizes and xxh3, or sizes only with ``--no-verify``); ``inspect``
-reads the manifest, the JSON state and DCP's ``.metadata`` through the restricted reader.
+reads the manifest, the JSON state and the tensor table and runs every check a load runs
+(``CheckpointReader.check_contents``).
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def join(tree: Json, tensors: dict[str, torch.Tensor]) -> Any:
         raise CorruptCheckpointError(f"malformed state value: {str(e)[:200]}") from None
 
 
-class _AnyTensor(dict):  # type: ignore[type-arg]
+class _AnyTensor(dict[str, Any]):
     """Stands for the loaded tensors while a tree is only being validated."""
 
     def __contains__(self, key: object) -> bool:
