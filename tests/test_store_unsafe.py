@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -279,7 +280,7 @@ def test_nothing_on_the_load_path_unpickles():
         "bad = [m for m in sys.modules if m.startswith('unbroken.store._v1')]\n"
         "assert not bad, bad\n"
     )
-    subprocess.run(["python", "-c", code], check=True, cwd=REPO, timeout=120)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120)
     grep = subprocess.run(
         ["grep", "-rlnE", r"import pickle|pickle\.|_get_layout|_StorageInfo", "unbroken/"],
         capture_output=True,
