@@ -71,15 +71,20 @@ class _Stages:
 _stages = _Stages()
 
 
+_NO_DIRECT: set[int] = set()  # file systems (st_dev) that refused O_DIRECT: not asked again
+
+
 def _open_for_write(path: str) -> tuple[int, bool]:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
     direct = getattr(os, "O_DIRECT", 0)
-    if direct:
+    dev = os.stat(os.path.dirname(path) or ".").st_dev
+    if direct and dev not in _NO_DIRECT:
         try:
             return os.open(path, flags | direct, 0o644), True
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
+            _NO_DIRECT.add(dev)
             if os.path.lexists(path):
                 os.unlink(path)  # created, then O_DIRECT refused: start again without it
     return os.open(path, flags, 0o644), False

@@ -1,0 +1,173 @@
+"""In-memory snapshots: lose at most one step to a crash.
+
+Under ``unbroken run`` the supervisor gives the trainer a directory in shared memory
+(``/dev/shm``) through :data:`ENV`. The trainer commits a snapshot there every
+``snapshot_every`` steps -- a complete checkpoint, written by the same store and commit
+protocol as a durable one (temporary name, manifest last, rename), so a snapshot is never torn:
+a kill during one leaves the previous one. On tmpfs nothing reaches a disk, so its cost is about
+two copies of the state (into the staging buffers, then into the tmpfs pages) and a hash.
+
+When the trainer dies without a clean exit, the supervisor (:func:`persist`) commits the newest
+snapshot that verifies into the run directory through the durable commit protocol (its files
+copied, fsynced, renamed into place) -- unless a durable checkpoint of that step or a later one
+exists -- and relaunches; the relaunch resumes from it like from any checkpoint. A relaunch on
+the same node reads the tensors of the checkpoint it resumes from the snapshot area when the
+very same snapshot is there (same manifest checksum), instead of the disk.
+
+What survives what: a crash, kill -9 or OOM kill of the trainer -> the snapshot (at most
+``snapshot_every - 1`` steps lost); the node -> only durable checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from typing import Any
+
+from .._errors import CheckpointError, LockError
+from . import _fsops, _layout, _manifest
+from ._lock import WriterLock
+from ._reader import CheckpointReader
+from ._store import CheckpointStore, Retention
+
+ENV = "UNBROKEN_SNAPSHOT_DIR"
+"""Set by the supervisor to the trainer's snapshot directory."""
+SHM = "/dev/shm"
+log = logging.getLogger("unbroken")
+
+
+def area_for(run_dir: str, base: str = SHM) -> str:
+    """The snapshot directory of ``run_dir`` on this node (one per run directory and user)."""
+    key = hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:16]
+    return os.path.join(base, f"unbroken-{os.getuid()}-{key}")
+
+
+def free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+class SnapshotArea:
+    """The trainer's side: commit a snapshot of a payload; keep only the newest."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        # keep_last=1: the new snapshot commits before the previous one is deleted, so the area
+        # holds at most two (the double buffer) and always one complete one.
+        self.store = CheckpointStore(root, Retention(keep_last=1))
+        self.store.clean_stale()
+        self.disabled: str | None = None
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether two snapshots of ``nbytes`` fit (the new one beside the previous one)."""
+        have = free_bytes(self.root) + self._used()
+        if have >= 2 * nbytes + nbytes // 8 + (64 << 10):  # two, and room for the JSON
+            return True
+        self.disabled = (
+            f"shared memory at {self.root} has {have >> 20} MiB for snapshots, "
+            f"{(2 * nbytes) >> 20} MiB are needed (two of the state); in-memory snapshots are "
+            "off, durable saves only (enlarge /dev/shm, e.g. docker --shm-size)"
+        )
+        return False
+
+    def _used(self) -> int:
+        total = 0
+        for _, path in _layout.scan(self.root):
+            for e in os.scandir(path):
+                total += e.stat(follow_symlinks=False).st_size
+        return total
+
+    def save(self, step: int, payload: Any, meta: dict[str, Any], group: Any = None) -> str:
+        path = self.store.save(step, payload, meta, group=group)
+        if _is_rank0():
+            self.store.apply_retention(step)
+        return path
+
+    def matching(self, reader: CheckpointReader) -> CheckpointReader | None:
+        """The snapshot that is ``reader``'s checkpoint (same manifest), if the area holds it."""
+        path = os.path.join(self.store.root, _layout.step_name(reader.step))
+        try:
+            snap = CheckpointReader(path)
+            if snap.manifest.get(_manifest.SELF_CHECKSUM) != reader.manifest.get(
+                _manifest.SELF_CHECKSUM
+            ):
+                return None
+            snap.verify(checksums=True, data=False)
+            return snap
+        except (CheckpointError, OSError):
+            return None
+
+
+def _is_rank0() -> bool:
+    from .. import _dist
+
+    return _dist.rank() == 0
+
+
+def persist(area: str, run_dir: str) -> int | None:
+    """Commit the newest snapshot of ``area`` into ``run_dir`` if it is newer than every durable
+    checkpoint there; returns its step, or None when there was nothing newer to keep."""
+    if not os.path.isdir(area):
+        return None
+    snaps = CheckpointStore(area)
+    try:
+        snap = snaps.latest(checksums=True)
+    except CheckpointError as e:
+        log.warning("unbroken: no usable in-memory snapshot in %s: %s", area, e)
+        return None
+    if snap is None:
+        return None
+    durable = [s for s, _ in _layout.scan(run_dir)]
+    if durable and max(durable) >= snap.step:
+        return None
+    os.makedirs(run_dir, exist_ok=True)
+    lock = WriterLock(run_dir)
+    try:
+        lock.acquire()
+    except LockError as e:
+        log.warning("unbroken: cannot persist the snapshot of step %d: %s", snap.step, e)
+        return None
+    try:
+        _commit_copy(snap, run_dir)
+    finally:
+        lock.release()
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.isfile(metrics) and not os.path.islink(metrics):
+        _fsops.fsync_file(metrics)  # the log the snapshot records must survive with it
+    log.warning(
+        "unbroken: the trainer died; kept its in-memory snapshot of step %d in %s",
+        snap.step,
+        run_dir,
+    )
+    return snap.step
+
+
+def _commit_copy(snap: CheckpointReader, run_dir: str) -> None:
+    """The durable commit protocol for files that already exist: copy, fsync, rename."""
+    root = _layout.checkpoints_dir(run_dir)
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, _layout.tmp_name(snap.step))
+    final = os.path.join(root, _layout.step_name(snap.step))
+    if os.path.lexists(tmp):
+        shutil.rmtree(tmp)
+    _fsops.mkdir(tmp)
+    try:
+        names = sorted(snap.manifest["files"]) + [_manifest.MANIFEST]  # the manifest last
+        for name in names:
+            dst = os.path.join(tmp, name)
+            shutil.copyfile(os.path.join(snap.path, name), dst, follow_symlinks=False)
+            _fsops.fsync_file(dst)
+        _fsops.fsync_dir(tmp)
+        _fsops.rename(tmp, final)
+        _fsops.fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def discard(area: str) -> None:
+    """Remove the snapshot area (after a clean exit, or once persisted and relaunched)."""
+    shutil.rmtree(area, ignore_errors=True)
