@@ -27,14 +27,14 @@ import shutil
 from typing import Any
 
 from .._errors import CheckpointError, LockError
+from .._shm import ENV as ENV
+from .._shm import SHM, discard, stale_areas
+from .._shm import supervisor_area as supervisor_area
 from . import _fsops, _layout, _manifest
 from ._lock import WriterLock
 from ._reader import CheckpointReader
 from ._store import CheckpointStore, Retention
 
-ENV = "UNBROKEN_SNAPSHOT_DIR"
-"""Set by the supervisor to the trainer's snapshot directory."""
-SHM = "/dev/shm"
 log = logging.getLogger("unbroken")
 
 
@@ -52,13 +52,14 @@ def free_bytes(path: str) -> int:
 class SnapshotArea:
     """The trainer's side: commit a snapshot of a payload; keep only the newest."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, clean: bool = True) -> None:
         self.root = root
         os.makedirs(root, mode=0o700, exist_ok=True)
         # keep_last=1: the new snapshot commits before the previous one is deleted, so the area
         # holds at most two (the double buffer) and always one complete one.
         self.store = CheckpointStore(root, Retention(keep_last=1))
-        self.store.clean_stale()
+        if clean:  # rank 0 only: a killed snapshot's leftovers
+            self.store.clean_stale()
         self.disabled: str | None = None
 
     def fits(self, nbytes: int) -> bool:
@@ -168,6 +169,40 @@ def _commit_copy(snap: CheckpointReader, run_dir: str) -> None:
         raise
 
 
-def discard(area: str) -> None:
-    """Remove the snapshot area (after a clean exit, or once persisted and relaunched)."""
-    shutil.rmtree(area, ignore_errors=True)
+# ---- the supervisor's side ----------------------------------------------------------------------
+
+
+def persist_area(area: str) -> tuple[int, str] | None:
+    """Persist the newest snapshot of a supervisor's area into the run directory the trainer
+    recorded in it (``meta["run_dir"]``); returns (step, run_dir) or None."""
+    if not os.path.isdir(area):
+        return None
+    steps = _layout.scan(area)
+    if not steps:
+        return None
+    try:
+        run_dir = CheckpointReader(steps[0][1]).meta.get("run_dir")
+    except CheckpointError:
+        run_dir = None
+    if not isinstance(run_dir, str) or not os.path.isabs(run_dir):
+        # Only a trainer that recorded its run directory is persisted (an older one did not).
+        log.warning("unbroken: snapshot area %s names no run directory; not persisted", area)
+        return None
+    step = persist(area, run_dir)
+    return None if step is None else (step, run_dir)
+
+
+def reap_stale(base: str = SHM) -> list[tuple[int, str]]:
+    """Areas left by supervisors that died (kill -9, say): persist their newest snapshot if it
+    is newer than the durable checkpoints, then remove them."""
+    kept = []
+    for area in stale_areas(base):
+        try:
+            got = persist_area(area)
+        except (CheckpointError, OSError) as e:
+            log.warning("unbroken: could not persist stale snapshot area %s: %s", area, e)
+            continue
+        if got is not None:
+            kept.append(got)
+        discard(area)
+    return kept
