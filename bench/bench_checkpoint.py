@@ -29,7 +29,7 @@ Load (warm: every file was read once before, so it is in the page cache), into t
 tensors of an existing model and optimizer:
   unbroken          open + verify the JSON files + ``Registry.plan`` +
                     ``CheckpointReader.load_tensors`` (every chunk's xxh3 computed while it is
-                    read, in a second thread) + ``Registry.restore``: one pass, as ``Run``
+                    read) + ``Registry.restore``: one pass, as ``Run``
                     resumes in one process
   unbroken 2-pass   the same, with a full checksum pass over the data files first (what
                     ``unbroken verify``/``ls`` and a multi-rank resume's rank 0 do)

@@ -2,6 +2,11 @@
 
     python examples/char_lm.py --run-dir runs/char_lm [--steps N] [--save-every K]
     torchrun --nproc_per_node 2 examples/char_lm.py --run-dir runs/char_lm   # DDP, same contract
+    torchrun --nproc_per_node 3 examples/char_lm.py --run-dir runs/c --canonical-shards 6
+
+With ``--canonical-shards K`` the global batch is cut into K shards fixed by the data and the
+gradient is summed over them in one order (``unbroken.CanonicalShards``), so every world size
+dividing K -- and a run resumed on another one -- ends with the very same bits.
 
 Stop it any way you like (Ctrl-C, ``kill``, ``kill -9``, a cluster's preemption) and run the same
 command again: it continues from the last checkpoint and ends exactly where an uninterrupted run
@@ -95,7 +100,12 @@ def main() -> int:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--save-every", type=int, default=25)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="global batch (default 32; with --canonical-shards K the least multiple of K >= 32)",
+    )
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -104,7 +114,21 @@ def main() -> int:
         "--threads", type=int, default=1, help="torch intra-op threads (1 is fastest on 2 cores)"
     )
     p.add_argument("--no-amp", action="store_true", help="disable bf16 autocast + GradScaler")
+    p.add_argument(
+        "--canonical-shards",
+        type=int,
+        default=0,
+        metavar="K",
+        help="bitwise the same on every world size dividing K (0: plain DDP)",
+    )
     a = p.parse_args()
+    shards = a.canonical_shards
+    if shards < 0:
+        p.error("--canonical-shards must be >= 0")
+    if a.batch_size is None:
+        a.batch_size = -(-32 // shards) * shards if shards else 32
+    if shards and a.batch_size % shards:
+        p.error(f"--batch-size {a.batch_size} must be a multiple of --canonical-shards {shards}")
 
     torch.set_num_threads(a.threads)
     rank, world = unbroken.init_distributed()  # unbroken: torchrun / srun; a no-op otherwise
@@ -120,8 +144,16 @@ def main() -> int:
     scaler = torch.amp.GradScaler("cpu", enabled=amp)
     ema = unbroken.EMA(model, decay=0.99)  # unbroken
     loader = unbroken.DataLoader(  # unbroken: a drop-in for torch's DataLoader; batch_size is
-        data, batch_size=a.batch_size, shuffle=True, seed=a.seed, num_workers=a.workers
-    )  # the global batch: each of the ranks gets its slice
+        data,  # the global batch: each of the ranks gets its slice
+        batch_size=a.batch_size,
+        shuffle=True,
+        seed=a.seed,
+        num_workers=a.workers,
+        drop_last=bool(shards),  # canonical shards: every batch is a multiple of K
+    )
+    # unbroken: shard k of each global batch is the same on every world size dividing K
+    canon = unbroken.CanonicalShards(net, shards, scaler=scaler) if shards else None
+    tracked = {"canonical": canon} if canon is not None else {}
     run = unbroken.Run(  # unbroken: resumes here if RUN has a checkpoint
         a.run_dir,
         model=net,
@@ -130,6 +162,7 @@ def main() -> int:
         scaler=scaler,
         ema=ema,
         loader=loader,
+        **tracked,
         save_every=a.save_every,
         max_steps=a.steps,
     )
@@ -137,11 +170,20 @@ def main() -> int:
         print(f"resumed from step {run.resumed_from}", flush=True)
 
     model.train()
-    for x, y in run.loop(loader):  # unbroken: batches across epochs until max_steps
+
+    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             logits = net(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        scaler.scale(loss).backward()
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    for x, y in run.loop(loader):  # unbroken: batches across epochs until max_steps
+        if canon is None:
+            loss = loss_of(x, y)
+            scaler.scale(loss).backward()
+        else:  # unbroken: one forward/backward per shard; p.grad = their fixed-order mean
+            for xs, ys in canon.shards(x, y):
+                canon.backward(loss_of(xs, ys))
+            loss = canon.loss
         scaler.unscale_(opt)
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         scaler.step(opt)
@@ -154,6 +196,8 @@ def main() -> int:
             loss=loss, lr=lr, batch_size=len(loader.last_indices), samples=loader.last_indices
         )
 
+    if world > 1:  # gloo may abort a process that exits with its group alive (pytorch#190489)
+        torch.distributed.destroy_process_group()
     if rank != 0:
         return 0
     unbroken.export_weights(os.path.join(a.run_dir, "final.safetensors"), model=model, ema=ema)

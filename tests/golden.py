@@ -42,6 +42,15 @@ def launch(script: str | Path, args: list[str], timeout: float = 180) -> int:
     return proc.returncode
 
 
+def children(pid: int) -> list[int]:
+    """The pids of ``pid``'s child processes (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
 def expected_code(sig: str) -> int:
     return -signal.SIGKILL if sig == "KILL" else EXIT_RESUMABLE
 

@@ -14,8 +14,7 @@ import torch
 
 from tests._store_helpers import REPO, ckpt, make_registry, make_run, save, train
 from unbroken.cli import build_parser, main
-from unbroken.store import CheckpointReader, CheckpointStore, TensorReader
-from unbroken.store import _direct
+from unbroken.store import CheckpointReader, CheckpointStore, TensorReader, _direct
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +174,12 @@ def test_inspect_json(rich_run, capsys):
     ]
     counters = info["counters"]["counters"]
     assert counters["step"] == 2 and counters["samples"] == 10 and counters["epoch"] == 1
-    assert set(info["files"]) == {"tensors.json", "tensors-r00000.bin", "state.json", "rank-00000.json"}
+    assert set(info["files"]) == {
+        "tensors.json",
+        "tensors-r00000.bin",
+        "state.json",
+        "rank-00000.json",
+    }
 
 
 def test_inspect_table(rich_run, capsys):

@@ -31,3 +31,20 @@ def test_import_and_cli_help_do_not_import_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
     )
     assert out.stdout.strip() == "False"
+
+
+def test_export_weights_writes_tied_weights(tmp_path):
+    """An LM head tied to its embedding (GPT-2 style) shares memory; both names are written."""
+    import torch
+    from safetensors.torch import load_file
+
+    import unbroken
+
+    emb = torch.nn.Embedding(5, 3)
+    head = torch.nn.Linear(3, 5, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    unbroken.export_weights(tmp_path / "w.safetensors", model=model)
+    got = load_file(tmp_path / "w.safetensors")
+    assert torch.equal(got["model.emb.weight"], emb.weight.detach())
+    assert torch.equal(got["model.head.weight"], emb.weight.detach())

@@ -281,9 +281,12 @@ def _slow_steps(run: Run, seconds: float = 0.05, limit: int = 200) -> None:
     raise AssertionError(f"the run did not stop within {limit} steps")
 
 
-def test_time_limit_saves_and_exits_75_before_the_budget(tmp_path, runs, capsys):
+def test_time_limit_saves_and_exits_75_before_the_budget(tmp_path, runs, capsys, monkeypatch):
     d = tmp_path / "run"
     start = time.time()
+    # The budget counts from the process's start (tests/test_hardening_signals.py checks that
+    # in a fresh process); this long-lived test process starts it now instead.
+    monkeypatch.setattr("unbroken.train._run.process_start", lambda: start)
     run = runs(d, **_net(), time_limit=1.5, time_margin=0.5)
     with pytest.raises(SystemExit) as ei:
         _slow_steps(run)
@@ -762,8 +765,11 @@ def test_a_missing_rank_state_is_an_error_not_a_new_rank(tmp_path: Path) -> None
     m = read_manifest_raw(str(ckpt))
     m["files"].pop("rank-00000.json")
     write_manifest_raw(str(ckpt), m)
-    with pytest.warns(UserWarning, match="does not list rank-00000.json"):
-        assert unbroken.CheckpointStore(str(tmp_path)).latest() is None
+    with (
+        pytest.warns(UserWarning, match="does not list rank-00000.json"),
+        pytest.raises(unbroken.CorruptCheckpointError, match="none of the 1 checkpoint"),
+    ):
+        unbroken.CheckpointStore(str(tmp_path)).latest()
     # The run's own check, should a reader get past the store's.
     reader = unbroken.CheckpointReader(str(ckpt))
     run = Run(tmp_path / "other", model=torch.nn.Linear(2, 2), progress=False)

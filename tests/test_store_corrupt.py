@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 
 import pytest
 
@@ -153,14 +154,22 @@ def test_extra_unknown_files_are_ignored_and_never_loaded(run, tmp_path):
     assert not os.path.exists(marker)
 
 
-def test_every_checkpoint_corrupt_gives_none_and_names_each(run):
+def test_every_checkpoint_corrupt_is_an_error_naming_each(run):
+    # Not "no checkpoint": a run must not start over on top of checkpoints it cannot read.
     run, _ = run
     flip(os.path.join(ckpt(run, 1), "tensors-r00000.bin"))
     truncate(os.path.join(ckpt(run, 2), "state.json"))
-    reader, warned = latest(CheckpointStore(run))
-    assert reader is None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(CorruptCheckpointError) as ei:
+            CheckpointStore(run).latest()
+    warned = [str(w.message) for w in caught]
     assert len(warned) == 2
     assert ckpt(run, 2) in warned[0] and ckpt(run, 1) in warned[1]
+    msg = str(ei.value)
+    assert "none of the 2 checkpoint(s)" in msg and "start_over" in msg, msg
+    assert ckpt(run, 2) + ": " in msg and "state.json" in msg, msg
+    assert ckpt(run, 1) + ": " in msg and "checksum" in msg, msg
 
 
 def test_without_checksums_sizes_are_still_checked(run):

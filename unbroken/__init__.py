@@ -7,6 +7,7 @@ command, e.g. the supervisor) does not pay for importing torch until it is neede
 from __future__ import annotations
 
 import importlib
+import os as _os
 from typing import TYPE_CHECKING, Any
 
 from ._errors import (
@@ -22,14 +23,29 @@ from ._errors import (
     UnsafeCheckpointError,
 )
 from ._exit import EXIT_RESUMABLE
+from ._signals import install_signal_handlers
 from ._version import __version__
+
+if _os.environ.get("UNBROKEN_SUPERVISED") == "1":
+    # Launched by `unbroken run`: a stop signal from here on (imports, data building, resume)
+    # is a resumable exit 75, not a death by signal (docs/resume.md, "Signals").
+    install_signal_handlers()
 
 if TYPE_CHECKING:
     from ._launch import init_distributed
+    from ._trackers import (
+        tensorboard_purge_step,
+        tensorboard_writer,
+        wandb_init_args,
+        wandb_run_id,
+    )
     from .data import (
         CharVocab,
         DataLoader,
         IterableLoader,
+        IterableShards,
+        JsonlShards,
+        SamplerLoader,
         TextCorpus,
         TokenBatchLoader,
         WordVocab,
@@ -53,9 +69,11 @@ if TYPE_CHECKING:
         read_metrics,
         write_trace,
     )
+    from .train._canonical import CanonicalShards
     from .verify import VerifyError, VerifyReport, compare_runs, verify_resume
 
 _LAZY = {
+    "CanonicalShards": ".train._canonical",
     "Change": ".train",
     "CharVocab": ".data",
     "CheckpointReader": ".store",
@@ -65,10 +83,13 @@ _LAZY = {
     "EMA": ".state",
     "EpochTable": ".train",
     "IterableLoader": ".data",
+    "IterableShards": ".data",
+    "JsonlShards": ".data",
     "LinearWarmup": ".train",
     "Piecewise": ".train",
     "Run": ".train",
     "RunConfig": ".train",
+    "SamplerLoader": ".data",
     "Settings": ".train",
     "Stateful": ".state",
     "StepContext": ".train",
@@ -84,7 +105,11 @@ _LAZY = {
     "init_distributed": "._launch",
     "read_metrics": ".train",
     "seed_everything": ".data",
+    "tensorboard_purge_step": "._trackers",
+    "tensorboard_writer": "._trackers",
     "verify_resume": ".verify",
+    "wandb_init_args": "._trackers",
+    "wandb_run_id": "._trackers",
     "write_trace": ".train",
 }
 
@@ -103,6 +128,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "CanonicalShards",
     "Change",
     "CharVocab",
     "CheckpointError",
@@ -119,11 +145,14 @@ __all__ = [
     "EXIT_RESUMABLE",
     "EpochTable",
     "IterableLoader",
+    "IterableShards",
+    "JsonlShards",
     "LinearWarmup",
     "LockError",
     "Piecewise",
     "Run",
     "RunConfig",
+    "SamplerLoader",
     "Settings",
     "StateError",
     "Stateful",
@@ -141,8 +170,13 @@ __all__ = [
     "compare_runs",
     "export_weights",
     "init_distributed",
+    "install_signal_handlers",
     "read_metrics",
     "seed_everything",
+    "tensorboard_purge_step",
+    "tensorboard_writer",
     "verify_resume",
+    "wandb_init_args",
+    "wandb_run_id",
     "write_trace",
 ]

@@ -12,10 +12,16 @@ to which path or component, and what to do next::
         ├── CheckpointNotFoundError          no (valid) checkpoint where one was required
         ├── CorruptCheckpointError           size, checksum, file set or manifest is wrong
         ├── UnsafeCheckpointError            a file would execute code or escapes the directory
-        └── CheckpointWriteError             the save failed (ENOSPC, EIO, EACCES, EROFS, ...)
+        └── CheckpointWriteError             a write failed (ENOSPC, EIO, EACCES, EROFS, ...)
+
+Checkpoint errors carry ``errno``, ``path`` (alias ``filename``, as on ``OSError``) and
+``step`` where known (else None): a write error's are those of the innermost ``OSError``
+behind it (:func:`root_oserror`), so a full disk reads as ENOSPC on the file being written.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class UnbrokenError(Exception):
@@ -41,6 +47,22 @@ class LockError(UnbrokenError):
 class CheckpointError(UnbrokenError):
     """Base class of checkpoint read/write failures."""
 
+    def __init__(
+        self,
+        *args: Any,
+        errno: int | None = None,
+        path: str | None = None,
+        step: int | None = None,
+    ) -> None:
+        super().__init__(*args)
+        self.errno = errno
+        self.path = path
+        self.step = step
+
+    @property
+    def filename(self) -> str | None:
+        return self.path
+
 
 class CheckpointNotFoundError(CheckpointError):
     """No valid checkpoint was found where one was required."""
@@ -55,4 +77,38 @@ class UnsafeCheckpointError(CheckpointError):
 
 
 class CheckpointWriteError(CheckpointError):
-    """Writing a checkpoint failed; the previous checkpoint is intact."""
+    """Writing a checkpoint (or the run's lock or metrics log) failed; the previous checkpoint
+    is intact."""
+
+
+def root_oserror(exc: BaseException | None) -> OSError | None:
+    """The innermost ``OSError`` behind ``exc``: followed through ``__cause__``,
+    ``__context__`` and the per-rank ``failures`` of DCP's ``CheckpointException``.
+
+    A full disk mid-write surfaces as whatever the writer raised while unwinding (torch's zip
+    writer: ``RuntimeError: unexpected pos ...``); the ENOSPC survives only in the chain. The
+    deepest OSError that has an errno and a file name wins (one without an errno is a wrapper's
+    message; one without a file name, e.g. from ``pwrite``, is less useful than its wrapper).
+    """
+    best: tuple[int, int, int, OSError] | None = None  # (has errno, has file, depth, error)
+    stack: list[tuple[BaseException, int]] = [(exc, 0)] if exc is not None else []
+    seen: set[int] = set()
+    while stack:
+        e, depth = stack.pop()
+        if id(e) in seen or depth > 64:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            rank = (int(e.errno is not None), int(e.filename is not None), depth)
+            if best is None or rank > best[:3]:
+                best = (*rank, e)
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            for value in failures.values():
+                inner = value[0] if isinstance(value, tuple) and value else value
+                if isinstance(inner, BaseException):
+                    stack.append((inner, depth + 1))
+        for nxt in (e.__cause__, e.__context__):
+            if nxt is not None:
+                stack.append((nxt, depth + 1))
+    return best[3] if best is not None else None

@@ -53,6 +53,10 @@ def main() -> None:
     p.add_argument("--signal-at", type=int, default=None)
     p.add_argument("--signal", default="KILL")
     p.add_argument("--signal-rank", default="all")
+    p.add_argument(
+        "--signal-attempt", type=int, default=None, help="signal only in this UNBROKEN_ATTEMPT"
+    )
+    p.add_argument("--snapshot-every", type=int, default=None)
     p.add_argument("--fail-save-at", type=int, default=None)
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--dump-after-load", default=None)
@@ -107,6 +111,7 @@ def main() -> None:
         async_save=a.async_save,
         time_limit=a.time_limit,
         time_margin=0.0,
+        **({"snapshot_every": a.snapshot_every} if a.snapshot_every is not None else {}),
         **(
             {"before_step": widen, "model_factory": build, "stage": {"width": 32}}
             if a.grow_at is not None
@@ -128,6 +133,8 @@ def main() -> None:
         dist.destroy_process_group()
         return
     me = a.signal_rank == "all" or int(a.signal_rank) == rank
+    if a.signal_attempt is not None:
+        me = me and os.environ.get("UNBROKEN_ATTEMPT") == str(a.signal_attempt)
     for x, y in run.loop(loader):
         loss = F.mse_loss(run.model(x), y.expand(-1, 3))
         loss.backward()

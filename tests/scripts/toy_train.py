@@ -12,6 +12,7 @@ import argparse
 import math
 import os
 import signal
+import time
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +61,8 @@ def main() -> None:
     p.add_argument("--epoch-end-save", action="store_true")
     p.add_argument("--signal-at", type=int, default=None)
     p.add_argument("--signal", choices=["TERM", "KILL", "INT", "USR1"], default="KILL")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (kill tests)")
+    p.add_argument("--snapshot-every", type=int, default=None)
     a = p.parse_args()
 
     unbroken.seed_everything(0)
@@ -96,6 +99,7 @@ def main() -> None:
         save_on_epoch_end=a.epoch_end_save,
         async_save=a.async_save,
         progress=False,
+        **({"snapshot_every": a.snapshot_every} if a.snapshot_every is not None else {}),
     )
 
     def batch_size_for(step: int) -> int:
@@ -135,6 +139,8 @@ def main() -> None:
             samples=list(samples),
         )
         samples.clear()
+        if a.step_sleep:
+            time.sleep(a.step_sleep)  # a slower step: an outside kill lands where it is aimed
         loader.batch_size = batch_size_for(run.counters.step)
         if a.signal_at is not None and run.counters.step == a.signal_at:
             os.kill(os.getpid(), getattr(signal, "SIG" + a.signal))

@@ -4,6 +4,16 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import _demo, _inspect, _pin, _supervise, _verify
+from . import _average, _demo, _diff, _export, _inspect, _pin, _plot, _supervise, _verify
 
-MODULES: list[ModuleType] = [_demo, _supervise, _inspect, _pin, _verify]
+MODULES: list[ModuleType] = [
+    _demo,
+    _supervise,
+    _inspect,
+    _pin,
+    _verify,
+    _plot,
+    _export,
+    _average,
+    _diff,
+]

@@ -19,7 +19,19 @@ from typing import Any
 from .._exit import EXIT_FAILURE, EXIT_OK, EXIT_RESUMABLE
 from .._logfile import last_logged_step, read_metrics
 
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "char_lm.py"
+
+def default_script() -> Path:
+    """``char_lm.py`` of the installed package (the wheel maps ``examples/`` to
+    ``unbroken._examples``, with its corpus), else of the source checkout (an editable install
+    does not map it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("unbroken._examples")
+    for where in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(where) / "char_lm.py"
+        if candidate.is_file():
+            return candidate
+    return Path(__file__).resolve().parents[2] / "examples" / "char_lm.py"
 
 
 @dataclass
@@ -48,19 +60,21 @@ def register(sub: Any) -> None:
     p.add_argument("--save-every", type=int, default=25, help="(default: %(default)s)")
     p.add_argument("--kills", type=int, default=4, help="interruptions (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="picks the kill moments")
-    p.add_argument("--script", default=str(SCRIPT), help="the training script (char_lm.py)")
+    p.add_argument("--script", default=None, help="the training script (default: char_lm.py)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG of the loss curves")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    script = Path(args.script)
+    script = Path(args.script) if args.script else default_script()
     if not script.is_file():
         print(
-            f"unbroken demo: {script} not found; run from a source checkout or pass --script",
+            f"unbroken demo: {script} not found; reinstall unbroken (the wheel ships it) "
+            "or pass --script",
             file=sys.stderr,
         )
         return EXIT_FAILURE
+    print(f"script: {script}", flush=True)
     out = Path(args.out)
     ref_dir, int_dir = out / "uninterrupted", out / "interrupted"
     for d in (ref_dir, int_dir):

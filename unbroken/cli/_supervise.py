@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from types import FrameType
 from typing import Any
 
+from .. import _shm
 from .._exit import EXIT_FAILURE, EXIT_OK, EXIT_RESUMABLE, EXIT_USAGE
 
 # Stop signals: the supervisor passes each on to the child and then relaunches nothing.
@@ -25,6 +26,9 @@ DESCRIPTION = """Run CMD and keep it running until it finishes.
   exit 0            done; unbroken run exits 0
   exit 75           resumable (saved and stopped): relaunch at once; under SLURM,
                     `scontrol requeue` the job instead and exit 75
+  killed by SIGTERM resumable too: CMD was stopped before it handled signals (while
+                    importing, say), so nothing was training; also SIGINT/SIGUSR1
+                    when the supervisor forwarded them
   anything else     a crash (non-zero exit or killed by a signal): relaunch after a
                     backoff (--backoff, doubling up to --max-backoff), at most
                     --max-retries times in a row; a crash run resets when an attempt
@@ -133,6 +137,8 @@ class Supervisor:
         self.received: list[str] = []  # the current attempt's signals, for the report
         self.attempts: list[Attempt] = []
         self.tty: int | None = None
+        # In-memory snapshots: the trainer writes them here; a crash loses at most one step.
+        self.area: str | None = None if args.no_snapshots else _shm.supervisor_area()
 
     # -- signals ------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -172,6 +178,8 @@ class Supervisor:
         while True:
             n = len(self.attempts) + 1
             env = {**os.environ, "UNBROKEN_ATTEMPT": str(n), "UNBROKEN_SUPERVISED": "1"}
+            if self.area is not None:
+                env[_shm.ENV] = self.area
             t0, wall0 = time.monotonic(), time.time()
             self.forwarded, self.received = False, []
             try:
@@ -195,6 +203,13 @@ class Supervisor:
             if rc == EXIT_OK:
                 att.status, att.action = "ok", "done"
                 return EXIT_OK, "finished"
+            if rc != EXIT_RESUMABLE:
+                att.note = self._persist_snapshot()
+            if self._killed_before_handling(rc):
+                # Killed by a stop signal it had no handler for yet (still importing, or not
+                # a script that handles signals): it was not training, nothing was lost.
+                att.note = f"{sig} before CMD handled signals (start-up): resumable"
+                rc = EXIT_RESUMABLE
             if rc == EXIT_RESUMABLE:
                 att.status, crashes = "resumable", 0
                 if job is not None:
@@ -240,6 +255,30 @@ class Supervisor:
                 return code, f"stopped by {_signame(self.stop)} during backoff (CMD had crashed)"
             restarts += 1
 
+    def _persist_snapshot(self) -> str:
+        """After a death: commit the trainer's newest in-memory snapshot durably, if it is
+        newer than its last checkpoint (imports torch, once per crash)."""
+        if self.area is None or not os.path.isdir(self.area):
+            return ""
+        from ..store._snapshot import persist_area
+
+        try:
+            got = persist_area(self.area)
+        except Exception as e:  # keep supervising: the durable checkpoints are still there
+            _say(f"could not persist the in-memory snapshot: {e}")
+            return f"snapshot not persisted: {e}"
+        if got is None:
+            return ""
+        _say(f"kept the in-memory snapshot of step {got[0]} in {got[1]}")
+        return f"persisted the in-memory snapshot of step {got[0]}"
+
+    def _killed_before_handling(self, rc: int) -> bool:
+        """A death by SIGTERM, or by a stop signal the supervisor forwarded: the child was
+        stopped before it could handle the signal (unbroken's handler saves and exits 75)."""
+        if rc == -signal.SIGTERM:
+            return True
+        return self.forwarded and rc < 0 and -rc in FORWARDED and -rc != signal.SIGHUP
+
     def _sleep(self, seconds: float) -> bool:
         # Short naps: time.sleep resumes after a signal (PEP 475), so it cannot be woken.
         deadline = time.monotonic() + seconds
@@ -278,6 +317,11 @@ def register(subparsers: Any) -> None:
     for flag, kind, default, metavar, text in NUMERIC_OPTIONS:
         p.add_argument(flag, type=_nonneg(kind), default=default, metavar=metavar, help=text)
     p.add_argument("--no-requeue", action="store_true", help="under SLURM, relaunch in place")
+    p.add_argument(
+        "--no-snapshots",
+        action="store_true",
+        help="no in-memory snapshots (a crash then loses the steps since the last save)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
     p.add_argument(
@@ -303,6 +347,12 @@ def run(args: argparse.Namespace) -> int:
         pass  # no controlling terminal: nothing can deliver Ctrl-C to the child but us
     old = {s: signal.signal(s, sup._on_signal) for s in FORWARDED}
     t0 = time.monotonic()
+    if sup.area is not None and _shm.stale_areas():
+        # Left by a supervisor that was killed itself: keep what it held, then free it.
+        from ..store._snapshot import reap_stale
+
+        for step, where in reap_stale():
+            _say(f"kept the in-memory snapshot of step {step} left in {where}")
     try:
         code, outcome = sup.run()
     finally:
@@ -310,6 +360,8 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(s, h)
         if sup.tty is not None:
             os.close(sup.tty)
+        if sup.area is not None:
+            _shm.discard(sup.area)
     elapsed = time.monotonic() - t0
     restarts = max(len(sup.attempts) - 1, 0)
     if not args.quiet:

@@ -1,9 +1,13 @@
 """Data layer: resumable loaders whose position is a count of samples in a global stream."""
 
+from ._contract import Loader, LoaderBase
 from ._corpus import EpochOrder, TextCorpus
 from ._iterable import IterableLoader
 from ._loader import DataLoader
+from ._sampler import SamplerLoader
 from ._seeding import derive, epoch_order, sample_generator, sample_seed, seed_everything
+from ._shards import JsonlShards, ShardOrder
+from ._stream import IterableShards
 from ._tokens import TokenBatchLoader
 from ._vocab import CharVocab, WordVocab
 
@@ -12,6 +16,12 @@ __all__ = [
     "DataLoader",
     "EpochOrder",
     "IterableLoader",
+    "IterableShards",
+    "JsonlShards",
+    "Loader",
+    "LoaderBase",
+    "SamplerLoader",
+    "ShardOrder",
     "TextCorpus",
     "TokenBatchLoader",
     "WordVocab",

@@ -9,11 +9,12 @@ import torch.utils.data as tud
 
 from .._errors import ConfigError, DataError
 from ..state import Stateful
+from ._contract import LoaderBase
 
 ITERABLE_VERSION = 1
 
 
-class IterableLoader:
+class IterableLoader(LoaderBase):
     """Batches an iterable dataset in the main process and tracks its position.
 
     The dataset implements the Stateful protocol: ``state_dict()`` describes the position after
@@ -34,9 +35,6 @@ class IterableLoader:
         loader = unbroken.IterableLoader(Lines("corpus.txt"), batch_size=8, collate_fn=list)
     """
 
-    kind = "loader"
-    rank_local = False
-
     def __init__(
         self,
         dataset: Any,
@@ -44,7 +42,16 @@ class IterableLoader:
         *,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         drop_last: bool = False,
+        num_workers: int = 0,
     ) -> None:
+        if num_workers:
+            raise DataError(
+                f"IterableLoader(num_workers={num_workers}): a dataset that keeps its own "
+                "position is read in the main process only (workers would each hold a copy of "
+                "the position). For workers, give the data as shards: "
+                "unbroken.data.JsonlShards (JSONL files) or unbroken.data.IterableShards (a "
+                "sharded IterableDataset, e.g. Hugging Face's); or use num_workers=0"
+            )
         if not isinstance(dataset, Stateful):
             raise ConfigError(
                 f"IterableLoader needs a dataset with state_dict()/load_state_dict(); "
@@ -56,14 +63,12 @@ class IterableLoader:
         self.batch_size = batch_size
         self.collate_fn = collate_fn or tud.default_collate
         self.drop_last = drop_last
-        self.epoch = 0
-        self.position = 0
+        # The dataset splits itself by rank if it needs to; these are what Run cross-checks.
+        self._init_base(None, None)
         # The dataset's iterator ran out (the pass's last batch may still be being consumed),
         # and the consumer has seen the pass end; only the latter moves on to the next epoch.
         self._exhausted = False
         self._ended = False
-        self.yielded_batches = 0
-        self.yielded_samples = 0
 
     def __iter__(self) -> Iterator[Any]:
         if self._ended:
@@ -83,9 +88,7 @@ class IterableLoader:
                 # Like DataLoader: ``epoch`` stays the finished epoch until the next pass.
                 self._ended = self._exhausted = True
                 return
-            self.position += len(items)
-            self.yielded_batches += 1
-            self.yielded_samples += len(items)
+            self._count(len(items))
             yield self.collate_fn(items)
 
     def state_dict(self) -> dict[str, Any]:

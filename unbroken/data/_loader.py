@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.utils.data as tud
 
-from .. import _dist
 from .._errors import ConfigError, DataError
 from . import _seeding, _workers
+from ._contract import LoaderBase
 
 LOADER_VERSION = 1
 
@@ -78,6 +78,7 @@ class _SeededFetch(tud.Dataset[Any]):
         self.seed = seed
         self.streams = _seeding.streams_of(reseed_globals)
         self.protocol = callable(getattr(dataset, "get_sample", None))
+        self.batched = callable(getattr(dataset, "__getitems__", None))
 
     def _one(self, key: tuple[int, int]) -> Any:
         epoch, index = key
@@ -94,6 +95,9 @@ class _SeededFetch(tud.Dataset[Any]):
         return self.__getitems__([key])[0]
 
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
+        if not self.protocol and not self.streams and self.batched:
+            # Nothing to seed per sample: let the dataset fetch the batch its own way.
+            return list(self.dataset.__getitems__([i for _, i in keys]))
         if self.protocol or not self.streams or tud.get_worker_info() is not None:
             return [self._one(k) for k in keys]
         with _seeding.preserved_globals(self.streams):
@@ -103,7 +107,7 @@ class _SeededFetch(tud.Dataset[Any]):
         return len(self.dataset)
 
 
-class DataLoader:
+class DataLoader(LoaderBase):
     """Resumable loader over a map-style dataset; track it like any component.
 
     ``batch_size`` is the *global* batch size (all ranks together) and may be changed at any
@@ -121,9 +125,6 @@ class DataLoader:
             for x, y in loader:
                 ...
     """
-
-    kind = "loader"
-    rank_local = False
 
     def __init__(
         self,
@@ -156,20 +157,12 @@ class DataLoader:
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
-        self.rank = _dist.rank() if rank is None else int(rank)
-        self.world_size = _dist.world_size() if world_size is None else int(world_size)
-        if not 0 <= self.rank < self.world_size:
-            raise ConfigError(f"rank {self.rank} is outside world_size {self.world_size}")
+        self._init_base(rank, world_size)
         self._plan: _Plan | None = None
         self._batch_size = 0
         self.batch_size = batch_size
-        self.epoch = 0
-        self.position = 0
         self.last_indices: list[int] = []
         """Global sample indices of the batch yielded last (every rank's slice)."""
-        self.yielded_batches = 0
-        self.yielded_samples = 0
-        """Batches and global samples yielded by this object (process-local, not saved)."""
         self._orders: dict[int, Any] = {}
         self._restart = False
         # True once a pass over the current epoch ran to its end here: only then does the next
@@ -235,7 +228,11 @@ class DataLoader:
     def _order(self, epoch: int) -> Any:
         order = self._orders.get(epoch)
         if order is None:
-            order = _seeding.epoch_order(self.seed, epoch, len(self.dataset), self.shuffle)
+            custom = getattr(self.dataset, "stream_order", None)
+            if callable(custom):  # e.g. JsonlShards: shard order, then lines within each shard
+                order = custom(self.seed, epoch, self.shuffle)
+            else:
+                order = _seeding.epoch_order(self.seed, epoch, len(self.dataset), self.shuffle)
             self._orders = {epoch: order}  # one epoch cached: O(dataset) memory, not O(epochs)
         return order
 
@@ -271,12 +268,10 @@ class DataLoader:
             plan = _Plan(self.epoch, self.position, self.batch_size)
             self._plan = plan
             try:
-                for batch in self._inner:
+                for batch in _workers.start(self._inner):
                     global_idx = plan.pending.popleft()
-                    self.position += len(global_idx)
+                    self._count(len(global_idx))
                     self.last_indices = global_idx
-                    self.yielded_batches += 1
-                    self.yielded_samples += len(global_idx)
                     yield batch
                     if self._restart:
                         break
@@ -290,7 +285,10 @@ class DataLoader:
     # ---- Stateful -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        source = getattr(self.dataset, "source_state", None)
+        extra = {"source": source()} if callable(source) else {}
         return {
+            **extra,
             "version": LOADER_VERSION,
             "epoch": self.epoch,
             "position": self.position,
@@ -306,6 +304,9 @@ class DataLoader:
         """Store the position; the next ``iter()`` continues from it (deferred restore)."""
         if state_dict.get("version") != LOADER_VERSION:
             raise DataError(f"loader state has version {state_dict.get('version')!r}")
+        check = getattr(self.dataset, "check_source_state", None)
+        if callable(check) and "source" in state_dict:
+            check(state_dict["source"])  # names the shard that changed, before dataset_len does
         for key, now in (
             ("seed", self.seed),
             ("shuffle", self.shuffle),

@@ -297,7 +297,7 @@ class TokenBatchLoader:
             plan = _Plan(self.epoch, replace(self._pos))
             self._plan = plan
             try:
-                for batch in self._inner:
+                for batch in _workers.start(self._inner):
                     self._pos, glob = plan.pending.popleft()
                     self.last_indices = glob
                     self.yielded_batches += 1

@@ -13,6 +13,8 @@ depend on the worker count) and let a torch DataLoader fetch them, with
 from __future__ import annotations
 
 import atexit
+import ctypes
+import os
 import signal
 import weakref
 from collections.abc import Callable
@@ -36,16 +38,39 @@ def _close_all() -> None:
 
 
 class WorkerInit:
-    """Workers ignore the stop signals, then run the user's ``worker_init_fn``."""
+    """Workers ignore the stop signals, die with the trainer, hold none of its locks; then
+    the user's ``worker_init_fn`` runs."""
 
     def __init__(self, user_fn: Callable[[int], None] | None) -> None:
         self.user_fn = user_fn
+        self.parent = os.getpid()
 
     def __call__(self, worker_id: int) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, signal.SIG_IGN)
+        _die_with_parent(self.parent)
+        from ..store._lock import held_fds
+
+        for fd in held_fds():  # forked copies: the trainer's lock must end with the trainer
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         if self.user_fn is not None:
             self.user_fn(worker_id)
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this worker when the trainer dies (Linux ``PR_SET_PDEATHSIG``): torch's own
+    watchdog notices only every few seconds, and an orphan keeps the trainer's files and
+    sockets (gloo peers then wait for it) open."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # not Linux: torch's watchdog is the fallback
+    if os.getppid() != parent:
+        os._exit(0)  # the trainer died before the line above took effect
 
 
 def inner_loader(
@@ -81,9 +106,23 @@ def inner_loader(
     return inner
 
 
+# The iterator each inner loader handed out last. torch keeps a reference only for persistent
+# workers; a pass abandoned mid-epoch (a script that breaks out and exits) would otherwise keep
+# non-persistent workers alive at exit, where multiprocessing waits for them forever.
+_ITERS: weakref.WeakKeyDictionary[Any, weakref.ref[Any]] = weakref.WeakKeyDictionary()
+
+
+def start(inner: tud.DataLoader[Any]) -> Any:
+    """``iter(inner)``, remembered so that :func:`shutdown` can stop its workers."""
+    it = iter(inner)
+    _ITERS[inner] = weakref.ref(it)
+    return it
+
+
 def shutdown(inner: tud.DataLoader[Any]) -> None:
-    """Stop persistent worker processes (a later iteration starts new ones)."""
-    it = getattr(inner, "_iterator", None)
-    if it is not None and hasattr(it, "_shutdown_workers"):
-        it._shutdown_workers()
+    """Stop worker processes, persistent or of a live pass (a later iteration starts new ones)."""
+    ref = _ITERS.pop(inner, None)
+    for it in (getattr(inner, "_iterator", None), ref() if ref is not None else None):
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
     inner._iterator = None

@@ -3,8 +3,11 @@
 ``save()`` snapshots every tensor of the payload into a buffer kept from the previous save
 (pinned when CUDA is present), then writes, checksums and commits in a background thread. At most
 one save is in flight: a new one first waits for the previous (so every triggered save happens,
-in order). An error of a background save is raised by the next ``save()`` or by ``wait()`` --
-the run calls ``wait()`` before exiting, before a signal-triggered save, and at ``finish()``.
+in order). An error of a background save is raised by the next ``save()``, ``check()`` or
+``wait()`` -- the run calls ``check()`` at every step and ``wait()`` before a signal-triggered
+save, at ``finish()`` and at ``close()``. One that nobody raised (the loop was left with
+``break``, skipping ``finish()``) is reported when the interpreter exits, which then exits 1:
+a failed save is never a silent success.
 
 A thread, not a process: writing is I/O and hashing/copying release the GIL, so the thread
 competes little with the training loop. bench/bench_async_writer.py measures both: a process was
@@ -14,10 +17,14 @@ of its own for a distributed save, and its errors sent back (docs/performance.md
 
 from __future__ import annotations
 
+import atexit
+import logging
+import os
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,7 +32,11 @@ import torch
 from .._errors import CheckpointWriteError
 from ..state import Payload
 from ..state._adapters import _is_dtensor
+from ._direct import one_thread
 from ._store import CheckpointStore
+
+log = logging.getLogger("unbroken")
+_savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
 
 
 class AsyncSaver:
@@ -35,6 +46,8 @@ class AsyncSaver:
         self._buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._step: int | None = None
+        _savers.add(self)
         self.last_blocking_seconds = 0.0
         self.last_total_seconds = 0.0
 
@@ -65,8 +78,15 @@ class AsyncSaver:
                 self._error = e
             self.last_total_seconds = time.perf_counter() - t0
 
+        # Non-daemon: the interpreter waits for it at exit (then _report_at_exit looks).
+        self._step = step
         self._thread = threading.Thread(target=work, name=f"unbroken-save-{step}", daemon=False)
         self._thread.start()
+
+    def check(self) -> None:
+        """Raise the error of a background save that already failed; never blocks."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
 
     def wait(self) -> None:
         """Block until the save in flight (if any) committed; raise its error if it failed."""
@@ -77,11 +97,18 @@ class AsyncSaver:
         if err is not None:
             if isinstance(err, CheckpointWriteError):
                 raise err
-            raise CheckpointWriteError(f"a background save failed: {err}") from err
+            raise CheckpointWriteError(
+                f"the background save of step {self._step} failed: {err}", step=self._step
+            ) from err
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The error of a finished background save that nobody has raised yet."""
+        return self._error
 
     def _snapshot(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        with _one_thread():
+        with one_thread():
             for name, t in tensors.items():
                 out[name] = self._copy(name, t.detach())
         if torch.cuda.is_available():
@@ -105,13 +132,26 @@ class AsyncSaver:
         return buf
 
 
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    # A copy_ loop over many tensors is several times slower with 2+ intra-op threads on a
-    # small machine (measured: 7x for 200 x 5 MB on 2 cores); memcpy needs no threads.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
+@atexit.register
+def _report_at_exit() -> None:
+    # Non-daemon save threads are joined before atexit runs, so every save has ended here. A
+    # failure nobody raised means the last checkpoint never committed: the exit status must
+    # not say success. atexit cannot change the status, so exit here, once the error is logged
+    # and the streams are flushed (logging.shutdown, which atexit would run after us, now).
+    errors = [(s._step, s.failed) for s in list(_savers) if s.failed is not None]
+    if not errors:
+        return
+    for step, err in errors:
+        log.error("the background save of step %s failed and was never reported: %s", step, err)
+        print(
+            f"unbroken: the background save of step {step} failed: {err}; the process exits 1 "
+            "(the training loop ended without run.finish() or run.close())",
+            file=sys.stderr,
+        )
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(1)

@@ -3,8 +3,8 @@
 Byte layout of ``tensors-rRRRRR.bin``: the chunks (a whole tensor, or one rank's shard of it)
 written by rank RRRRR, each as its raw bytes in C order (``tensor.contiguous()``'s memory),
 back to back at offsets that are multiples of :data:`ALIGN`; gaps are zero. Nothing else: no
-header, nothing pickled. Everything that describes the bytes is JSON, in ``tensors.json`` (written by
-rank 0 once every rank's chunks are known)::
+header, nothing pickled. Everything that describes the bytes is JSON, in ``tensors.json``
+(written by rank 0 once every rank's chunks are known)::
 
     {"format": "unbroken-tensors", "version": 2,
      "tensors": {"model/0.weight": {
@@ -104,21 +104,30 @@ def encode(md: dcp_md.Metadata, chunks: list[Chunk]) -> dict[str, Any]:
     for fqn, tmd in md.state_dict_metadata.items():
         if not isinstance(tmd, dcp_md.TensorStorageMetadata):
             raise TypeError(f"{fqn!r} is not a tensor; unbroken saves objects as JSON")
-        tensors[fqn] = {
-            "dtype": DTYPE_NAMES[tmd.properties.dtype],
-            "shape": list(tmd.size),
-            "chunks": [
-                {
-                    "offsets": list(c.offsets),
-                    "sizes": list(c.sizes),
-                    "file": c.file,
-                    "offset": c.offset,
-                    "nbytes": c.nbytes,
-                    "xxh3_64": c.xxh3,
-                }
-                for c in sorted(by_fqn.get(fqn, []), key=lambda c: c.offsets)
-            ],
-        }
+        tensors[fqn] = entry_doc(tmd.properties.dtype, tuple(tmd.size), by_fqn.get(fqn, []))
+    return document(tensors)
+
+
+def entry_doc(dtype: torch.dtype, shape: tuple[int, ...], chunks: list[Chunk]) -> dict[str, Any]:
+    """One tensor's entry of ``tensors.json``."""
+    return {
+        "dtype": DTYPE_NAMES[dtype],
+        "shape": list(shape),
+        "chunks": [
+            {
+                "offsets": list(c.offsets),
+                "sizes": list(c.sizes),
+                "file": c.file,
+                "offset": c.offset,
+                "nbytes": c.nbytes,
+                "xxh3_64": c.xxh3,
+            }
+            for c in sorted(chunks, key=lambda c: c.offsets)
+        ],
+    }
+
+
+def document(tensors: dict[str, Any]) -> dict[str, Any]:
     return {"format": FORMAT, "version": VERSION, "tensors": tensors}
 
 

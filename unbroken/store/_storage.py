@@ -16,7 +16,6 @@ import dataclasses
 import os
 import warnings
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -33,7 +32,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from .._errors import CorruptCheckpointError, UnbrokenError
+from .._errors import CorruptCheckpointError, UnbrokenError, root_oserror
 from . import _direct, _format, _fsops
 from ._format import Chunk, Entry
 
@@ -150,24 +149,9 @@ def _write_direct(
     records: dict[str, tuple[int, str]] = {}
     pairs = [((k, (0,) * t.dim(), tuple(t.shape)), t) for k, t in tensors.items()]
     chunks = _write_file(directory, _format.data_file(0), pairs, records)
-    table = {
-        c.fqn: {
-            "dtype": _format.DTYPE_NAMES[tensors[c.fqn].dtype],
-            "shape": list(c.sizes),
-            "chunks": [
-                {
-                    "offsets": list(c.offsets),
-                    "sizes": list(c.sizes),
-                    "file": c.file,
-                    "offset": c.offset,
-                    "nbytes": c.nbytes,
-                    "xxh3_64": c.xxh3,
-                }
-            ],
-        }
-        for c in chunks
-    }
-    doc = {"format": _format.FORMAT, "version": _format.VERSION, "tensors": table}
+    doc = _format.document(
+        {c.fqn: _format.entry_doc(tensors[c.fqn].dtype, c.sizes, [c]) for c in chunks}
+    )
     records[_format.TABLE_FILE] = _fsops.write_file(
         os.path.join(directory, _format.TABLE_FILE), _dumps(doc)
     )
@@ -192,21 +176,10 @@ def _dcp_call() -> Iterator[None]:
             if isinstance(exc, (UnbrokenError, OSError)):
                 raise exc from None
         for exc in errors:
-            inner = _innermost_oserror(exc)
+            inner = root_oserror(exc)
             if inner is not None:
                 raise inner from None
         raise CorruptCheckpointError(f"torch.distributed.checkpoint failed: {e}") from None
-
-
-def _innermost_oserror(exc: BaseException | None) -> OSError | None:
-    seen = set()
-    found = None
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError):
-            found = exc
-        exc = exc.__cause__ or exc.__context__
-    return found
 
 
 # ---- reading ------------------------------------------------------------------------------------
@@ -242,20 +215,19 @@ class TensorReader(StorageReader):
         for item in plan.items:
             chunk = self.storage_data[item.storage_index]
             per_file.setdefault(chunk.file, []).append((chunk, item))
-        with ThreadPoolExecutor(1) as pool:
-            for name, items in per_file.items():
-                items.sort(key=lambda ci: ci[0].offset)
-                reads = _direct.VerifiedReads(self._path(name), pool, self.verify)
-                try:
-                    cached: tuple[Chunk | None, torch.Tensor | None] = (None, None)
-                    for chunk, item in items:
-                        target = planner.resolve_tensor(item).detach()
-                        cached = self._fill(reads, chunk, item, target, cached)
-                        planner.commit_tensor(item, target)
-                    reads.finish()
-                except BaseException:
-                    reads.abandon()
-                    raise
+        for name, items in per_file.items():
+            items.sort(key=lambda ci: ci[0].offset)
+            reads = _direct.VerifiedReads(self._path(name), self.verify)
+            try:
+                cached: tuple[Chunk | None, torch.Tensor | None] = (None, None)
+                for chunk, item in items:
+                    target = planner.resolve_tensor(item).detach()
+                    cached = self._fill(reads, chunk, item, target, cached)
+                    planner.commit_tensor(item, target)
+                reads.finish()
+            except BaseException:
+                reads.abandon()
+                raise
         fut: torch.futures.Future[None] = torch.futures.Future()
         fut.set_result(None)
         return fut
@@ -340,20 +312,19 @@ def _load_direct(
         per_file.setdefault(entry.chunks[0].file, []).append((entry.chunks[0], target.detach()))
     from ._safeio import safe_file
 
-    with ThreadPoolExecutor(1) as pool:
-        for name, pairs in per_file.items():
-            pairs.sort(key=lambda p: p[0].offset)
-            reads = _direct.VerifiedReads(safe_file(directory, name), pool, verify)
-            try:
-                for chunk, target in pairs:
-                    if _fits(target, target.dtype, chunk.nbytes):
-                        reads.into(chunk, target)
-                    else:
-                        target.copy_(reads.new(chunk, target.dtype))
-                reads.finish()
-            except BaseException:
-                reads.abandon()
-                raise
+    for name, pairs in per_file.items():
+        pairs.sort(key=lambda p: p[0].offset)
+        reads = _direct.VerifiedReads(safe_file(directory, name), verify)
+        try:
+            for chunk, target in pairs:
+                if _fits(target, target.dtype, chunk.nbytes):
+                    reads.into(chunk, target)
+                else:
+                    target.copy_(reads.new(chunk, target.dtype))
+            reads.finish()
+        except BaseException:
+            reads.abandon()
+            raise
     return True
 
 

@@ -13,6 +13,7 @@ A failure on any rank is agreed on by all ranks before the commit, so no rank co
 
 from __future__ import annotations
 
+import errno
 import os
 import platform
 import shutil
@@ -30,7 +31,11 @@ from .._errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
     ConfigError,
+    CorruptCheckpointError,
+    UnbrokenError,
+    root_oserror,
 )
+from .._logfile import open_regular
 from .._version import __version__
 from ..state import Payload
 from . import _fsops, _layout, _manifest, _storage
@@ -83,7 +88,16 @@ class CheckpointStore:
             return removed
         for e in entries:
             t = _layout.transient(e.name)
-            if t is None or not e.is_dir(follow_symlinks=False):
+            if t is None:
+                continue
+            if not e.is_dir(follow_symlinks=False):
+                # Not something a save of ours leaves (a symlink, a file): nothing of ours is in
+                # it; the link itself is removed, never what it points to.
+                try:
+                    os.unlink(e.path)
+                    removed.append(e.path)
+                except OSError:
+                    pass
                 continue
             kind, step = t
             final = os.path.join(self.root, _layout.step_name(step))
@@ -98,6 +112,8 @@ class CheckpointStore:
     # ---- finding ------------------------------------------------------------------------------
 
     def listing(self, *, checksums: bool = True) -> list[Listing]:
+        """Every checkpoint directory, newest first; one deleted while it is read (retention
+        of a live run) is gone, not corrupt, and left out."""
         out = []
         for step, path in _layout.scan(self.run_dir):
             valid, reason, size = True, "", 0
@@ -105,31 +121,56 @@ class CheckpointStore:
                 r = CheckpointReader(path)
                 r.verify(checksums=checksums)
                 size = r.size_bytes()
-            except CheckpointError as e:
-                valid, reason = False, str(e)
-            try:
                 mtime = os.stat(path).st_mtime
-            except OSError:
-                mtime = 0.0
+            except (CheckpointError, OSError) as e:
+                if _vanished(path):
+                    continue
+                if not isinstance(e, CheckpointError):
+                    raise
+                valid, reason = False, str(e)
+                mtime = _mtime(path)
             pinned = os.path.exists(os.path.join(path, _layout.PINNED))
             out.append(Listing(step, path, valid, reason, size, mtime, pinned))
         return out
 
-    def latest(self, *, checksums: bool = True) -> CheckpointReader | None:
-        """The newest checkpoint that verifies; each unusable newer one is reported by name."""
+    def latest(self, *, checksums: bool = True, data: bool = True) -> CheckpointReader | None:
+        """The newest checkpoint that verifies; each unusable newer one is reported by name.
+        ``data=False`` leaves the checksums of format-2 data files to the load, which verifies
+        every chunk as it reads it (one pass; the caller falls back if the load fails).
+
+        None only when there is no checkpoint directory at all. Checkpoints none of which
+        loads raise CorruptCheckpointError listing each and why: a reader that cannot read a
+        run's checkpoints must not let the run start over (and retention delete them).
+        """
+        failures: list[tuple[str, str]] = []
         for _, path in _layout.scan(self.run_dir):
             try:
                 r = CheckpointReader(path)
-                r.verify(checksums=checksums)
+                r.verify(checksums=checksums, data=data)
                 return r
-            except CheckpointError as e:
+            except (CheckpointError, OSError) as e:
+                if _vanished(path):
+                    continue  # deleted by a live run's retention while we read it
+                if not isinstance(e, CheckpointError):
+                    raise
+                failures.append((path, str(e)))
                 warnings.warn(
                     f"skipping unusable checkpoint {path}: {e}; trying an earlier one",
                     stacklevel=2,
                 )
-        return None
+        if not failures:
+            return None
+        listed = "\n".join(f"  {path}: {why}" for path, why in failures)
+        raise CorruptCheckpointError(
+            f"none of the {len(failures)} checkpoint(s) in {self.root} can be loaded, so the "
+            f"run does not start over on top of them:\n{listed}\nRepair or move them away, "
+            "or pass start_over=True to Run once to move them into "
+            f"{os.path.join(self.root, 'abandoned-<time>')} (nothing is deleted) and start "
+            "fresh.",
+            path=self.root,
+        )
 
-    def open(self, step: int, *, checksums: bool = True) -> CheckpointReader:
+    def open(self, step: int, *, checksums: bool = True, data: bool = True) -> CheckpointReader:
         path = os.path.join(self.root, _layout.step_name(step))
         if not os.path.isdir(path):
             have = [s for s, _ in _layout.scan(self.run_dir)]
@@ -137,7 +178,7 @@ class CheckpointStore:
                 f"no checkpoint for step {step} in {self.root} (found steps {sorted(have)})"
             )
         r = CheckpointReader(path)
-        r.verify(checksums=checksums)
+        r.verify(checksums=checksums, data=data)
         return r
 
     # ---- saving -------------------------------------------------------------------------------
@@ -175,7 +216,9 @@ class CheckpointStore:
     def _prepare(self, tmp: str) -> None:
         os.makedirs(self.root, exist_ok=True)
         if os.path.lexists(tmp):
-            shutil.rmtree(tmp)
+            _remove_tree(tmp)
+            if os.path.lexists(tmp):
+                shutil.rmtree(tmp)  # what could not be removed raises, naming its file
         _fsops.mkdir(tmp)
 
     def _commit(
@@ -249,18 +292,15 @@ class CheckpointStore:
         if not failed:
             return
         if _dist.rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_tree(tmp)
         if err is None:
             raise CheckpointWriteError(
-                f"saving step {step} failed on another rank; nothing was committed"
+                f"saving step {step} failed on another rank; nothing was committed", step=step
             )
-        if isinstance(err, CheckpointError):
+        mapped = _write_error(err, tmp, step, self.root)
+        if mapped is err:
             raise err
-        where = getattr(err, "filename", None) or tmp
-        raise CheckpointWriteError(
-            f"could not save step {step}: writing {where} failed: {err}; nothing was "
-            f"committed, earlier checkpoints in {self.root} are intact"
-        ) from err
+        raise mapped from err
 
     # ---- retention ----------------------------------------------------------------------------
 
@@ -300,31 +340,73 @@ class CheckpointStore:
             deleted.append(s)
         return deleted
 
-    def supersede_newer(self, step: int) -> list[str]:
-        """Move checkpoints newer than ``step`` aside (resuming an older step forks history)."""
+    def supersede_newer(self, step: int, *, unusable: bool = False) -> list[str]:
+        """Move checkpoints newer than ``step`` aside (resuming an older step forks history;
+        ``unusable``: the newer ones could not be loaded). Nothing is deleted, so neither a
+        re-save of their step nor retention can destroy them."""
         moved = []
+        prefix = "unusable" if unusable else "superseded"
         for s, p in _layout.scan(self.run_dir):
             if s > step:
-                name = f"superseded-{_layout.step_name(s)}-{int(time.time())}"
+                name = f"{prefix}-{_layout.step_name(s)}-{int(time.time())}"
                 target = os.path.join(self.root, name)
                 os.rename(p, target)
                 moved.append(target)
         if moved:
+            why = "they could not be loaded" if unusable else "history forks there"
             warnings.warn(
-                f"resumed from step {step}, so newer checkpoints were moved aside (not deleted): "
-                f"{moved}",
+                f"resumed from step {step} and {why}, so newer checkpoints were moved aside "
+                f"(not deleted): {moved}",
                 stacklevel=2,
             )
         return moved
+
+    def abandon(self, extra: Iterable[str] = ()) -> str | None:
+        """Move every checkpoint (and the files ``extra`` names, e.g. the metrics log) into
+        ``checkpoints/abandoned-<UTC time>/``, deleting nothing; returns that directory, or
+        None when there was nothing to move. Starting over is then a fresh start."""
+        found = [p for _, p in _layout.scan(self.run_dir)]
+        others = [p for p in extra if os.path.lexists(p)]
+        if not found:
+            return None
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        target = os.path.join(self.root, f"abandoned-{stamp}")
+        n = 0
+        while os.path.lexists(target):
+            n += 1
+            target = os.path.join(self.root, f"abandoned-{stamp}-{n}")
+        os.mkdir(target)
+        for p in [*found, *others]:
+            os.rename(p, os.path.join(target, os.path.basename(p)))
+        _fsops.fsync_dir(target)
+        _fsops.fsync_dir(self.root)
+        warnings.warn(
+            f"start_over: moved {len(found)} checkpoint(s) into {target} (nothing deleted); "
+            "starting fresh",
+            stacklevel=2,
+        )
+        return target
 
     def pin(self, step: int, pinned: bool = True) -> None:
         path = os.path.join(self.root, _layout.step_name(step), _layout.PINNED)
         if not os.path.isdir(os.path.dirname(path)):
             raise CheckpointNotFoundError(f"no checkpoint for step {step} in {self.root}")
         if pinned:
-            open(path, "a").close()
-        elif os.path.exists(path):
+            # Not through a symlink planted there (it would create or touch its target).
+            os.close(open_regular(path, os.O_WRONLY | os.O_CREAT, "pin marker"))
+        elif os.path.lexists(path):
             os.remove(path)
+
+
+def _vanished(path: str) -> bool:
+    return not os.path.lexists(path)
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
 
 
 def _sizes_ok(path: str, manifest: dict[str, Any]) -> bool:
@@ -341,6 +423,44 @@ def _manifest_of(path: str) -> dict[str, Any] | None:
         return _manifest.read_manifest(path)
     except CheckpointError:
         return None
+
+
+def _write_error(err: BaseException, tmp: str, step: int, root: str) -> BaseException:
+    """What a failed save raises: the innermost OSError behind ``err`` (a full disk mid-write
+    surfaces as torch's "unexpected pos" with the ENOSPC only in its chain), as a
+    CheckpointWriteError with that errno and file; an error of ours without one as it is."""
+    os_err = root_oserror(err)
+    # Ours, and not a wrapper of an OS error (DCP's failures arrive as CorruptCheckpointError):
+    # as it is. An UnsafeCheckpointError (say) stays one even if an OSError preceded it.
+    wrapper = isinstance(err, CorruptCheckpointError)
+    ours = isinstance(err, UnbrokenError) and not wrapper
+    if isinstance(err, CheckpointWriteError) or ours or (wrapper and os_err is None):
+        if isinstance(err, CheckpointError) and err.step is None:
+            err.step = step
+        return err
+    if os_err is not None:
+        where = os_err.filename or tmp
+        what = f"[Errno {os_err.errno}] {os_err.strerror}"
+        if os_err.errno == errno.ENOSPC:
+            what += " (the disk is full: free space or point the run at another disk)"
+    else:
+        where, what = tmp, f"{type(err).__name__}: {err}"
+    return CheckpointWriteError(
+        f"could not save step {step}: writing {where} failed: {what}; nothing was committed, "
+        f"earlier checkpoints in {root} are intact",
+        errno=os_err.errno if os_err is not None else None,
+        path=str(where),
+        step=step,
+    )
+
+
+def _remove_tree(path: str) -> None:
+    """Remove a temp directory of ours -- a symlink planted in its place is unlinked, never
+    followed."""
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _attempt(fn: Any) -> BaseException | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import time
@@ -38,7 +39,12 @@ class RunConfig:
     """Training is complete after this many optimizer steps."""
     resume: bool | int = True
     """True: continue from the latest valid checkpoint if there is one; an int: from that step;
-    False: start fresh and refuse to run in a directory that has checkpoints."""
+    False: start fresh and refuse to run in a directory that has checkpoints. Checkpoints none
+    of which loads are an error, never a fresh start (see ``start_over``)."""
+    start_over: bool = False
+    """Move every checkpoint already in the run directory, and its metrics log, into
+    ``checkpoints/abandoned-<UTC time>/`` (nothing is deleted) and start fresh. Meant for one
+    launch: left on, every relaunch starts over again."""
     allow_missing: tuple[str, ...] = ()
     """Components that may be absent from the checkpoint (they start fresh)."""
     allow_unexpected: tuple[str, ...] = ()
@@ -55,6 +61,9 @@ class RunConfig:
     """Show a tqdm bar (default: when stderr is a terminal)."""
     async_save: bool = False
     """Block training only for a snapshot; write and commit in the background."""
+    snapshot_every: int | None = None
+    """Under ``unbroken run``: an in-memory snapshot every N steps (0: none; None: as often as
+    keeps them under 2% of the step time), persisted by the supervisor if the process dies."""
     verify_checksums: bool = True
     """Check every file's xxh3 before resuming (size checks always happen)."""
     track_rng: bool = True
@@ -89,11 +98,20 @@ class RunConfig:
             not isinstance(self.resume, bool) and self.resume < 0
         ):
             raise ConfigError(f"resume must be True, False or a step number, got {self.resume!r}")
+        if self.start_over and not isinstance(self.resume, bool):
+            raise ConfigError(
+                f"start_over=True starts fresh; it cannot be combined with resume={self.resume!r}"
+            )
         if os.environ.get("UNBROKEN_KEEP_ALL") == "1":
             # Set by `unbroken verify`, which compares the runs at every checkpoint step.
             self.keep_last = None
         self.allow_missing = tuple(self.allow_missing)
         self.allow_unexpected = tuple(self.allow_unexpected)
+        every = self.snapshot_every
+        if every is not None and (
+            not isinstance(every, int) or isinstance(every, bool) or every < 0
+        ):
+            raise ConfigError(f"snapshot_every must be an int >= 0 or None, got {every!r}")
         self.time_limit_seconds()
 
     def time_limit_seconds(self) -> float | None:
@@ -136,3 +154,10 @@ def deadline(start: float, config: RunConfig) -> float | None:
 
 def wall() -> float:
     return time.time()
+
+
+def option_hint(name: str) -> str:
+    # A mistyped option arrives as a component of the wrong type: say which option was meant.
+    close = difflib.get_close_matches(name, sorted(RunConfig.fields()), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"; it is not a Run option either{hint}"

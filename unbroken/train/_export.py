@@ -39,6 +39,14 @@ def export_weights(path: str | os.PathLike[str], **sources: Any) -> dict[str, to
         for key, value in state.items():
             full = value.full_tensor() if hasattr(value, "full_tensor") else value
             tensors[f"{prefix}.{key}"] = full.detach().cpu().contiguous()
+    seen: set[int] = set()
+    for name, t in tensors.items():
+        # Tied weights (an LM head sharing the embedding) share memory, which safetensors
+        # refuses: each tensor after the first of a storage is written as its own copy.
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and ptr in seen:
+            tensors[name] = t.clone()
+        seen.add(ptr)
     if _dist.rank() == 0:
         save_file(tensors, os.fspath(path))
     return tensors

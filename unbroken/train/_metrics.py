@@ -2,7 +2,10 @@
 
 Each checkpoint records the log's byte length; a resume truncates the log there (the steps
 after it are about to be redone, identically) and appends ``{"event": "resume", ...}``. So the
-log always holds each step exactly once, in order, across any number of interruptions.
+log always holds each step exactly once, in order, across any number of interruptions. The log
+is fsynced before each checkpoint commits, so it is never shorter than a checkpoint records;
+one that is anyway (cut by hand, or by a power loss under an older version) is repaired to
+whole lines and the gap is logged (``{"event": "log_gap"}``), never merged into.
 """
 
 from __future__ import annotations
@@ -11,25 +14,94 @@ import json
 import math
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
 
-from .._logfile import METRICS_FILE, read_metrics
+from .._errors import CheckpointWriteError
+from .._logfile import METRICS_FILE, open_regular, read_metrics
+from ..store import _fsops
 
 __all__ = ["METRICS_FILE", "MetricsLog", "read_metrics"]
 
 
 class MetricsLog:
-    def __init__(self, run_dir: str, resume_offset: int | None) -> None:
+    def __init__(self, run_dir: str, resume_offset: int | None, step: int | None = None) -> None:
         self.path = os.path.join(run_dir, METRICS_FILE)
-        self._f = open(self.path, "ab")
+        fd = open_regular(self.path, os.O_RDWR | os.O_CREAT, "metrics log")
+        self._f = open(fd, "r+b", buffering=0)
         size = self._f.seek(0, os.SEEK_END)
         offset = resume_offset or 0
-        if size > offset:
-            self._f.truncate(offset)
-        self._f.seek(0, os.SEEK_END)
         self.lost = max(offset - size, 0)
+        if size > offset:
+            if step is not None and offset and not self._ends_at(offset, step):
+                # The log was repaired (or edited) since that checkpoint: its recorded length
+                # no longer falls after step ``step``'s line. Cut after that step's records.
+                offset = self._after_step(step)
+            self._f.truncate(offset)
+        elif self.lost:
+            self._repair(size, offset, step)
+        self._f.seek(0, os.SEEK_END)
+
+    def _ends_at(self, offset: int, step: int) -> bool:
+        """Whether a record of ``step`` ends exactly at ``offset`` (what a save records)."""
+        self._f.seek(max(0, offset - 65536))
+        head = self._f.read(offset - max(0, offset - 65536))
+        if not head.endswith(b"\n"):
+            return False
+        last = head[:-1].rsplit(b"\n", 1)[-1]
+        try:
+            rec = json.loads(last)
+        except ValueError:
+            return False
+        return isinstance(rec, dict) and rec.get("step") == step
+
+    def _after_step(self, step: int) -> int:
+        """The byte offset after the last line that precedes the first record of a later
+        step (those steps are about to be redone)."""
+        self._f.seek(0)
+        pos = 0
+        for line in self._f.read().split(b"\n")[:-1]:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                break
+            if not isinstance(rec, dict):
+                break
+            if "event" not in rec and isinstance(rec.get("step"), int) and rec["step"] > step:
+                break
+            pos += len(line) + 1
+        return pos
+
+    def _repair(self, size: int, offset: int, step: int | None) -> None:
+        """The log is shorter than the checkpoint recorded: its tail was lost (a power loss
+        before it was fsynced with the checkpoint, or someone cut it). A torn last line is
+        dropped, so that the next record starts a line of its own (appending to it would merge
+        two records into one unreadable line); the loss is logged and warned about. The lost
+        steps are not redone: training state comes from the checkpoint, not from the log."""
+        end = size
+        while end > 0:
+            start = max(0, end - 65536)
+            self._f.seek(start)
+            chunk = self._f.read(end - start)
+            if end == size and chunk.endswith(b"\n"):
+                break  # whole lines only: nothing torn
+            nl = chunk.rfind(b"\n")
+            if nl >= 0:
+                self._f.truncate(start + nl + 1)
+                break
+            end = start
+        else:
+            self._f.truncate(0)  # the only line is torn
+        self._f.seek(0, os.SEEK_END)
+        warnings.warn(
+            f"the metrics log {self.path} holds {size} bytes but the checkpoint recorded "
+            f"{offset}: its last {offset - size} bytes were lost (e.g. a power loss); the "
+            "records of those steps are missing and are not redone",
+            stacklevel=4,
+        )
+        self.event("log_gap", step=step, missing_bytes=offset - size)
 
     def event(self, kind: str, **fields: Any) -> None:
         self._write({"event": kind, "time": round(time.time(), 3), **fields})
@@ -39,20 +111,41 @@ class MetricsLog:
 
     def _write(self, record: dict[str, Any]) -> None:
         line = json.dumps({k: _plain(v) for k, v in record.items()}, allow_nan=True)
-        self._f.write(line.encode() + b"\n")
-        # Flushed per line so `tail -f` and watchers see each step; durability comes from the
-        # checkpoint (which records the length), so no fsync.
-        self._f.flush()
+        # Unbuffered: one write per line, so `tail -f` and watchers see each step at once.
+        data = memoryview(line.encode() + b"\n")
+        try:
+            while data:
+                data = data[self._f.write(data) or 0 :]
+        except OSError as e:
+            raise _log_error(e, self.path) from e
 
     def offset(self) -> int:
-        """Flush and return the byte length (recorded in every checkpoint)."""
-        self._f.flush()
+        """The byte length, after an fsync: every checkpoint records it, and the log must
+        hold that much on disk before the checkpoint commits (a power loss then leaves no
+        log shorter than its checkpoint says)."""
+        try:
+            _fsops.event("fsync_log", self.path)
+            os.fsync(self._f.fileno())
+        except OSError as e:
+            raise _log_error(e, self.path) from e
+        return self._f.tell()
+
+    def length(self) -> int:
+        """The byte length now, without an fsync (an in-memory snapshot records it; the
+        supervisor fsyncs the log when it persists the snapshot)."""
         return self._f.tell()
 
     def close(self) -> None:
         if not self._f.closed:
-            self._f.flush()
             self._f.close()
+
+
+def _log_error(e: OSError, path: str) -> CheckpointWriteError:
+    return CheckpointWriteError(
+        f"writing the metrics log {path} failed: [Errno {e.errno}] {e.strerror}",
+        errno=e.errno,
+        path=path,
+    )
 
 
 def _plain(v: Any) -> Any:

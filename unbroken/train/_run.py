@@ -16,7 +16,6 @@ Order of events (the contract; docs/resume.md repeats it)::
 
 from __future__ import annotations
 
-import difflib
 import os
 import sys
 import time
@@ -29,15 +28,18 @@ import torch
 from .. import _dist
 from .._errors import ConfigError, CorruptCheckpointError, StateError
 from .._exit import EXIT_RESUMABLE
+from ..data._contract import check_world, is_loader, refuse_torch_loader
 from ..data._seeding import derive, seed_globals
 from ..state import Counters, GlobalRNG, Registry
 from ..store import AsyncSaver, CheckpointReader, CheckpointStore, Retention, WriterLock, step_name
 from ..store._manifest import rank_file
-from ._config import RunConfig, deadline
+from ._choose import choose_checkpoint, restore_or_fall_back
+from ._config import RunConfig, deadline, option_hint
 from ._loop import Stepper
 from ._metrics import MetricsLog
 from ._progress import Progress, next_save_text, steps_for_epochs
-from ._signals import StopRequest
+from ._signals import StopRequest, install_signal_handlers, process_start
+from ._snapshots import Snapshots
 from ._tree_peek import saved_stage
 
 _RESERVED = ("counters", "rng")
@@ -69,9 +71,12 @@ class Run:
             if name in _RESERVED:
                 raise ConfigError(f"component name {name!r} is reserved by unbroken; rename it")
             try:
+                refuse_torch_loader(obj)
                 self.registry.add(name, obj)
             except ConfigError as e:
-                raise ConfigError(f"Run keyword {name!r}: {e}{_option_hint(name)}") from None
+                raise ConfigError(f"Run keyword {name!r}: {e}{option_hint(name)}") from None
+            if is_loader(obj):
+                check_world(name, obj, self.rank, self.world_size)
         self.registry.add("counters", self.counters)
         if self.config.track_rng:
             self.registry.add("rng", GlobalRNG())
@@ -94,17 +99,34 @@ class Run:
     # ---- start-up -----------------------------------------------------------------------------
 
     def _open(self) -> None:
+        if self.config.handle_signals:
+            # From now to process exit; until training starts a stop signal exits 75 at once
+            # (resuming is not training: nothing is lost).
+            install_signal_handlers()
         if self.rank == 0:
             os.makedirs(self.dir, exist_ok=True)
             self._lock.acquire()
-            self.store.clean_stale()
+            try:
+                self.store.clean_stale()
+            except BaseException:
+                self._lock.release()
+                raise
         _dist.barrier()
         try:
-            reader = self._choose_checkpoint()
+            self._snapshots = Snapshots(self, self.config.snapshot_every)
+            reader = choose_checkpoint(self)
             if reader is not None:
-                self._restore(reader)
+                restore_or_fall_back(self, reader)
             elif self.config.seed is not None:
                 seed_globals(derive(self.config.seed, self.rank))
+            if self.rank == 0 and self.config.metrics:
+                # A metrics log that cannot be opened (a planted symlink, a FIFO, a full
+                # disk) fails the start like a checkpoint would: the lock is released.
+                self._metrics = MetricsLog(
+                    self.dir, self.counters.metrics_offset, self.resumed_from
+                )
+                if self.resumed_from is not None:
+                    self._metrics.event("resume", step=self.counters.step)
         except BaseException:
             self.close()
             raise
@@ -118,11 +140,8 @@ class Run:
         self._last_tick = time.perf_counter()
         self._last_save_wall = self._start_wall
         self._step_seconds: float | None = None
-        self._deadline = deadline(self._start_wall, self.config)
-        if self.rank == 0 and self.config.metrics:
-            self._metrics = MetricsLog(self.dir, self.counters.metrics_offset)
-            if self.resumed_from is not None:
-                self._metrics.event("resume", step=self.counters.step)
+        # The budget is the process's: counted from its start, imports and resume included.
+        self._deadline = deadline(process_start(), self.config)
         if self.config.handle_signals:
             self._stop.install()
         show = self.config.progress
@@ -130,39 +149,6 @@ class Run:
             show = sys.stderr.isatty()
         if show and self.rank == 0:
             self._progress = Progress(self.config.max_steps, self.counters.step)
-
-    def _choose_checkpoint(self) -> CheckpointReader | None:
-        """Rank 0 picks (and verifies) the checkpoint; every rank opens the same step."""
-        choice: tuple[int | None, str | None] = (None, None)
-        if self.rank == 0:
-            try:
-                choice = (self._pick_step(), None)
-            except Exception as e:
-                if self.world_size == 1:
-                    raise
-                choice = (None, f"{type(e).__name__}: {e}")  # told to every rank, then raised
-        step, error = _dist.broadcast_object(choice)
-        if error is not None:
-            raise ConfigError(f"choosing the checkpoint to resume from failed on rank 0: {error}")
-        if step is None:
-            return None
-        return self.store.open(step, checksums=False)
-
-    def _pick_step(self) -> int | None:
-        want = self.config.resume
-        if want is False:
-            if self.store.listing(checksums=False):
-                raise ConfigError(
-                    f"resume=False but {self.store.root} already holds checkpoints; "
-                    "use another run directory or resume=True"
-                )
-            return None
-        if want is True:
-            latest = self.store.latest(checksums=self.config.verify_checksums)
-            return latest.step if latest is not None else None
-        step = self.store.open(int(want), checksums=self.config.verify_checksums).step
-        self.store.supersede_newer(step)
-        return step
 
     def _restore(self, reader: CheckpointReader) -> None:
         trees = reader.global_trees()
@@ -202,7 +188,8 @@ class Run:
             where=f"checkpoint {reader.path}",
         )
         targets = self.registry.plan(names, trees, reader.tensor_infos())
-        reader.load_tensors(targets)
+        # The same checkpoint from this node's shared memory, if a supervisor kept it there.
+        self._snapshots.source_for(reader).load_tensors(targets)
         self.registry.restore(names, trees, targets)
         self.resumed_from = reader.step
 
@@ -220,6 +207,8 @@ class Run:
         Returns True when the loop should end (complete, or stopped with ``exit_on_stop=False``).
         """
         c = self.counters
+        if self._async is not None:
+            self._async.check()  # a background save that failed is raised at the next step
         now = time.perf_counter()
         dt = now - self._last_tick
         self._last_tick = now
@@ -257,6 +246,10 @@ class Run:
         if save:
             # A stop's checkpoint must be committed before the process exits.
             self.save(blocking=stop_reason is not None)
+        if stop_reason is None:
+            self._snapshots.after_step(c.step, saved=save)
+        if stop_reason is None and self._stop.deferred is not None:
+            stop_reason = "a second Ctrl-C, deferred until the save committed"
         if stop_reason is not None:
             return self._halt(stop_reason)
         return self.done
@@ -302,6 +295,10 @@ class Run:
                 f"in {self.dir}; relaunch the same command to continue",
                 file=sys.stderr,
             )
+            if self.world_size > 1 and torch.distributed.is_initialized():
+                # Every rank stops at this step; a gloo group left alive at exit can abort the
+                # process (-6) and lose the 75 (pytorch#190489).
+                torch.distributed.destroy_process_group()
             raise SystemExit(EXIT_RESUMABLE)
         return True
 
@@ -397,8 +394,8 @@ class Run:
             self.save()
 
     def _loaders(self) -> list[Any]:
-        """Tracked loaders: unbroken's, or any component that declares ``kind = "loader"``."""
-        return [c.obj for c in self.registry if getattr(c.obj, "kind", None) == "loader"]
+        """Tracked loaders: components meeting unbroken.data.Loader (or tagged kind="loader")."""
+        return [c.obj for c in self.registry if is_loader(c.obj)]
 
     # ---- saving -------------------------------------------------------------------------------
 
@@ -410,21 +407,26 @@ class Run:
         """
         t0 = time.perf_counter()
         c = self.counters
+        if self._lock.held:
+            self._lock.check()  # a deleted or replaced lock file: never two writers
         if self._metrics is not None:
-            c.metrics_offset = self._metrics.offset()
+            c.metrics_offset = self._metrics.offset()  # fsynced: on disk before the commit
         payload = self.registry.collect(self.rank)
         meta = {"epoch": c.epoch, "samples": c.samples, "stage": c.stage}
         path = os.path.join(self.store.root, step_name(c.step))
-        if self._async is not None and not blocking:
-            self._async.save(c.step, payload, meta, after=self._retain)
-            # The time budget must allow for a whole save: use the last complete one.
-            self.last_save_seconds = self._async.last_total_seconds or (time.perf_counter() - t0)
-        else:
-            if self._async is not None:
-                self._async.wait()
-            self.store.save(c.step, payload, meta)
-            self._retain(c.step)
-            self.last_save_seconds = time.perf_counter() - t0
+        with self._stop.saving():  # a second Ctrl-C waits until this save committed
+            if self._async is not None and not blocking:
+                self._async.save(c.step, payload, meta, after=self._retain)
+                # The time budget must allow for a whole save: use the last complete one.
+                self.last_save_seconds = self._async.last_total_seconds or (
+                    time.perf_counter() - t0
+                )
+            else:
+                if self._async is not None:
+                    self._async.wait()
+                self.store.save(c.step, payload, meta)
+                self._retain(c.step)
+                self.last_save_seconds = time.perf_counter() - t0
         self.last_saved_step = c.step
         self._last_save_wall = time.time()
         # Time spent saving is not a training step.
@@ -451,9 +453,21 @@ class Run:
         c.complete = True
         self.wait()
         self.close()
+        if self._stop.deferred is not None and self.config.exit_on_stop:
+            self._halt("a second Ctrl-C, deferred until the final save committed")
+
+    def install_signal_handlers(self) -> None:
+        """Install the stop handlers again, on top of any a framework installed since
+        ``Run()`` (Lightning does, in ``fit``): ours record the stop, then call theirs."""
+        self._stop.install()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
-        """Release the lock, flush the metrics and put the signal handlers back."""
+        """Release the lock and close the metrics log. The signal handlers stay until the
+        process exits: a stop signal from now on exits 75 (nothing is training)."""
         if self._closed:
             return
         self._closed = True
@@ -489,10 +503,3 @@ class Run:
             f"Run({self.dir!r}, step={self.counters.step}, epoch={self.counters.epoch}, "
             f"components={self.registry.names()})"
         )
-
-
-def _option_hint(name: str) -> str:
-    # A mistyped option arrives as a component of the wrong type: say which option was meant.
-    close = difflib.get_close_matches(name, sorted(RunConfig.fields()), n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"; it is not a Run option either{hint}"

@@ -1,0 +1,102 @@
+"""Hugging Face Accelerate: an :class:`unbroken.Run` over what ``accelerator.prepare`` returned.
+
+Accelerate already keeps the list of what a checkpoint must hold: the models, optimizers and
+schedulers it prepared, its GradScaler and the objects given to ``register_for_checkpointing``
+(``accelerator.save_state`` writes exactly these). :func:`accelerate_run` tracks the same
+objects, unwrapped to the plain torch ones, plus the accumulation counter that decides which
+micro-batch steps the optimizer, plus what you pass (the ``unbroken.DataLoader``)::
+
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    run = accelerate_run(accelerator, "runs/x", loader=loader, save_every=100, max_steps=1000)
+    for batch in run.loop(loader):
+        with accelerator.accumulate(model):
+            ...
+        if accelerator.sync_gradients:
+            run.step(loss=loss)
+
+A DataLoader that ``prepare`` wrapped (a ``DataLoaderShard``) keeps no resumable position and
+is refused; ``unbroken.DataLoader`` passes through ``prepare`` unchanged and is the position.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .._errors import ConfigError
+
+log = logging.getLogger("unbroken")
+
+# Tested: one process, or DDP. Sharding engines keep their own optimizer state layout.
+_UNTESTED = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA", "TP")
+
+
+class _AccumulationCounter:
+    """``accelerator.step``: micro-batches into the current accumulation cycle (decides when
+    ``accelerator.sync_gradients`` is True, i.e. when the optimizer really steps)."""
+
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": int(self.accelerator.step)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.accelerator.step = int(state_dict["step"])
+
+
+def accelerate_run(accelerator: Any, run_dir: str, /, *, strict: bool = True, **kwargs: Any) -> Any:
+    """An :class:`unbroken.Run` tracking everything ``accelerator`` prepared or registered.
+
+    Call it after ``accelerator.prepare(...)``. ``kwargs`` are more components (the
+    ``unbroken.DataLoader``, an ``unbroken.EMA``, ...) and ``Run`` options (``save_every``,
+    ``max_steps``, ...). With ``strict=False`` what cannot be resumed exactly (a DataLoader that
+    ``prepare`` wrapped, an untested sharding engine) is a warning instead of an error.
+    """
+    from ..train import Run, RunConfig
+
+    def inexact(message: str) -> None:
+        if strict:
+            raise ConfigError(f"accelerate_run: {message} (or pass strict=False)")
+        log.warning("unbroken: resume will not be exact: %s", message)
+
+    if not hasattr(accelerator, "gradient_state") or not hasattr(accelerator, "_models"):
+        raise ConfigError(
+            f"accelerate_run needs an accelerate.Accelerator, got {type(accelerator).__qualname__}"
+        )
+    for dl in accelerator._dataloaders:
+        inexact(
+            f"accelerator.prepare() wrapped a {type(dl).__qualname__}, whose mid-epoch position "
+            "accelerate replays by skipping batches; pass unbroken.DataLoader(dataset, "
+            "batch_size, seed=...) instead (prepare leaves it as it is) and give it here as "
+            "loader=..."
+        )
+    kind = str(getattr(accelerator.distributed_type, "name", accelerator.distributed_type))
+    if kind in _UNTESTED:
+        inexact(f"distributed type {kind} is not supported by unbroken's accelerate adapter")
+
+    comps: dict[str, Any] = {}
+    for i, model in enumerate(accelerator._models):
+        comps["model" if i == 0 else f"model.{i}"] = accelerator.unwrap_model(model)
+    for i, opt in enumerate(accelerator._optimizers):
+        comps["optimizer" if i == 0 else f"optimizer.{i}"] = getattr(opt, "optimizer", opt)
+    for i, sched in enumerate(accelerator._schedulers):
+        comps["scheduler" if i == 0 else f"scheduler.{i}"] = getattr(sched, "scheduler", sched)
+    if accelerator.scaler is not None:
+        comps["scaler"] = accelerator.scaler
+    for i, obj in enumerate(accelerator._custom_objects):
+        comps[f"custom.{i}"] = obj
+    comps["accumulation"] = _AccumulationCounter(accelerator)
+    options = {k: v for k, v in kwargs.items() if k in RunConfig.fields()}
+    extra = {k: v for k, v in kwargs.items() if k not in options}
+    clash = sorted(set(comps) & set(extra))
+    if clash:
+        raise ConfigError(
+            f"accelerate_run: {clash} are tracked from the accelerator already; "
+            "pass only what prepare() did not see (the unbroken.DataLoader, an EMA, ...)"
+        )
+    if not any(getattr(v, "kind", None) == "loader" for v in extra.values()):
+        inexact(
+            "no unbroken.DataLoader was given (loader=...); the data position would not be saved"
+        )
+    return Run(run_dir, **comps, **extra, **options)

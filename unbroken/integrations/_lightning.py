@@ -1,0 +1,325 @@
+"""PyTorch Lightning: one callback gives a ``Trainer`` unbroken's exact resume.
+
+``LightningResume(run_dir, save_every=N)`` is a Lightning ``Checkpoint`` callback (so Lightning
+runs it after every other callback and adds no default ``ModelCheckpoint``). It drives an
+:class:`unbroken.Run` from Lightning's hooks; nothing else is new:
+
+- ``on_fit_start`` (optimizers and schedulers exist; Lightning's own checkpoint restore and
+  loop start come after it): build the Run over the LightningModule, every optimizer and LR
+  scheduler, the precision plugin (its GradScaler), stateful callbacks and datamodule, the fit
+  loop's progress and the RNG streams. The Run resumes them from the latest valid checkpoint,
+  exactly where Lightning's ``restore_training_state`` would.
+- The train loader's position is the ``unbroken.DataLoader``'s own ``state_dict``, which
+  Lightning's fit loop already saves and restores for stateful loaders (before it creates the
+  epoch's iterator); a loader without one is refused at start-up.
+- ``on_train_start`` (after Lightning registered its SIGTERM/SLURM handlers): install unbroken's
+  stop handlers, which chain to Lightning's.
+- ``on_train_batch_end`` after an optimizer step: ``run.step(loss, lr)``: log, save on the
+  configured triggers, save and exit 75 on a signal or the time budget.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .._errors import ConfigError
+from .._exit import EXIT_RESUMABLE
+
+log = logging.getLogger("unbroken")
+
+# Run options that make sense under Lightning's loop. max_steps comes from the Trainer; the
+# signal handlers are installed by the callback itself, once Lightning has installed its own.
+_OPTIONS = frozenset(
+    {
+        "save_every",
+        "save_every_minutes",
+        "save_final",
+        "time_limit",
+        "time_margin",
+        "keep_last",
+        "keep_every",
+        "resume",
+        "start_over",
+        "allow_missing",
+        "allow_unexpected",
+        "metrics",
+        "progress",
+        "async_save",
+        "verify_checksums",
+        "track_rng",
+    }
+)
+# Lightning callbacks that keep nothing across steps that affects training.
+_STATELESS = (
+    "ProgressBar",
+    "ModelSummary",
+    "LearningRateMonitor",
+    "DeviceStatsMonitor",
+    "GradientAccumulationScheduler",
+)
+
+
+def _framework() -> Any:
+    """The Lightning package the script uses: ``lightning.pytorch`` or ``pytorch_lightning``."""
+    if "lightning.pytorch" in sys.modules and "pytorch_lightning" not in sys.modules:
+        return sys.modules["lightning.pytorch"]
+    try:
+        import pytorch_lightning
+    except ImportError:
+        try:
+            import lightning.pytorch as pl
+        except ImportError:
+            raise ConfigError(
+                "LightningResume needs PyTorch Lightning: pip install 'unbroken[lightning]'"
+            ) from None
+        return pl
+    return pytorch_lightning
+
+
+_CLASSES: dict[str, type] = {}
+
+
+def LightningResume(  # noqa: N802 - reads as the class it returns
+    run_dir: str,
+    /,
+    *,
+    strict: bool = True,
+    handle_signals: bool = True,
+    extra: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> Any:
+    """A Lightning callback that makes ``trainer.fit`` resume exactly from ``run_dir``.
+
+    ``options`` are :class:`unbroken.Run` options (``save_every``, ``save_every_minutes``,
+    ``time_limit``, ``keep_last``, ``async_save``, ...); ``max_steps`` is the Trainer's.
+    ``extra`` names more components to track (e.g. an ``unbroken.EMA``). With
+    ``strict=False`` what cannot be resumed exactly is a warning instead of an error. With
+    ``handle_signals`` (default) SIGTERM, SIGUSR1 and SIGINT save the step and exit 75; the
+    handlers Lightning installed before (its SIGTERM notice, SLURM's requeue) still run.
+    """
+    unknown = sorted(set(options) - _OPTIONS)
+    if unknown:
+        raise ConfigError(
+            f"LightningResume: {unknown} are not options here; it takes {sorted(_OPTIONS)} "
+            "(max_steps comes from Trainer(max_steps=...))"
+        )
+    pl = _framework()
+    cls = _CLASSES.get(pl.__name__)
+    if cls is None:
+        cls = _CLASSES[pl.__name__] = _build(pl)
+    return cls(run_dir, strict, handle_signals, dict(extra or {}), options)
+
+
+class _FitLoopState:
+    """Lightning's fit-loop progress as a component (counters, restart stage, loader states).
+
+    A save normally happens in ``on_train_batch_end``; a stop that Lightning itself raises
+    (its SIGTERM exception, after the batch) is saved with the loop state captured at that
+    batch end, so every checkpoint resumes through the same restart path.
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.at_step_end: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        live = self.trainer.fit_loop.state_dict()
+        return {"fit_loop": self.at_step_end if self.at_step_end is not None else live}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.trainer.fit_loop.load_state_dict(state_dict["fit_loop"])
+
+
+def _build(pl: Any) -> type:
+    Checkpoint = pl.callbacks.Checkpoint
+    Callback = pl.callbacks.Callback
+    SIGTERMException = pl.utilities.exceptions.SIGTERMException
+    is_overridden = pl.utilities.model_helpers.is_overridden
+
+    class LightningResume(Checkpoint):  # type: ignore[misc, valid-type]
+        """See :func:`unbroken.integrations.LightningResume`."""
+
+        def __init__(
+            self,
+            run_dir: str,
+            strict: bool,
+            handle_signals: bool,
+            extra: dict[str, Any],
+            options: dict[str, Any],
+        ) -> None:
+            super().__init__()
+            self.run_dir, self.strict, self.extra, self.options = run_dir, strict, extra, options
+            self.handle_signals = handle_signals
+            self.run: Any = None
+            self._loop: _FitLoopState | None = None
+            self._lr: float | None = None
+
+        @property
+        def state_key(self) -> str:
+            return f"unbroken.LightningResume[{self.run_dir}]"
+
+        # ---- start-up -----------------------------------------------------------------------
+
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            from ..train import Run
+
+            self._loop = _FitLoopState(trainer)
+            comps: dict[str, Any] = {"model": pl_module}
+            for i, opt in enumerate(trainer.optimizers):
+                comps["optimizer" if i == 0 else f"optimizer.{i}"] = opt
+            for i, cfg in enumerate(trainer.lr_scheduler_configs):
+                comps["scheduler" if i == 0 else f"scheduler.{i}"] = cfg.scheduler
+            comps["precision"] = trainer.precision_plugin
+            comps["fit_loop"] = self._loop
+            dm = trainer.datamodule
+            if dm is not None and is_overridden("state_dict", dm, pl.LightningDataModule):
+                comps["datamodule"] = dm
+            comps.update(self._callbacks(trainer))
+            clash = sorted(set(comps) & set(self.extra))
+            if clash:
+                raise ConfigError(f"LightningResume(extra=...): {clash} are tracked already")
+            comps.update(self.extra)
+            self._check_module(pl_module)
+            max_steps = trainer.max_steps if trainer.max_steps >= 0 else None
+            self.run = Run(
+                self.run_dir, **comps, max_steps=max_steps, handle_signals=False, **self.options
+            )
+            if self.run.resumed_from is not None:
+                log.info("unbroken: resumed from step %d", self.run.resumed_from)
+
+        def _callbacks(self, trainer: Any) -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            for cb in trainer.callbacks:
+                if cb is self or isinstance(cb, LightningResume):
+                    continue
+                name = type(cb).__name__
+                if is_overridden("state_dict", cb, Callback):
+                    key, n = f"callback.{name}", 1
+                    while key in out:
+                        n += 1
+                        key = f"callback.{name}.{n}"
+                    out[key] = cb
+                elif not any(
+                    isinstance(cb, c)
+                    for c in (getattr(pl.callbacks, s, None) for s in _STATELESS)
+                    if c is not None
+                ):
+                    self._inexact(
+                        f"callback {name} has no state_dict(); if it keeps state across steps, "
+                        "that state starts fresh on resume. Give it state_dict()/"
+                        "load_state_dict() (Lightning's Callback API) to have it saved"
+                    )
+            return out
+
+        def _check_module(self, pl_module: Any) -> None:
+            name = type(pl_module).__name__
+            for hook, why in (
+                (
+                    "on_train_batch_end",
+                    "runs after unbroken saved the step, so state it changes there is saved a "
+                    "step late; change it in training_step or on_before_zero_grad instead",
+                ),
+                (
+                    "on_save_checkpoint",
+                    "adds to Lightning's checkpoint dict, which unbroken does not write; keep "
+                    "such state in a module buffer or pass its holder in extra=",
+                ),
+            ):
+                if is_overridden(hook, pl_module, pl.LightningModule):
+                    log.warning("unbroken: %s.%s %s", name, hook, why)
+
+        def _inexact(self, message: str) -> None:
+            if self.strict:
+                raise ConfigError(f"LightningResume: {message} (or pass strict=False)")
+            log.warning("unbroken: resume will not be exact: %s", message)
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            for dl in self._train_loaders(trainer):
+                if getattr(dl, "kind", None) != "loader" or not hasattr(dl, "load_state_dict"):
+                    self._inexact(
+                        f"the train dataloader is a {type(dl).__module__}.{type(dl).__qualname__}, "
+                        "whose mid-epoch position cannot be restored (Lightning would replay or "
+                        "skip batches); use unbroken.DataLoader(dataset, batch_size, seed=...)"
+                    )
+            # Resumed from a save at an epoch's last batch, Lightning's restart moves on to the
+            # next epoch without calling on_train_epoch_start; the loader must follow it now
+            # (mid-epoch and fresh starts: the epoch in progress, a no-op).
+            self._set_epoch(trainer)
+            if self.run is not None and self.handle_signals:
+                # Installed now, after Lightning's own (SIGTERM notifier, SLURM requeue on
+                # SIGUSR1), so unbroken's handler chains to them instead of hiding them.
+                self.run.install_signal_handlers()
+
+        # ---- the steps ----------------------------------------------------------------------
+
+        def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+            self._set_epoch(trainer)
+
+        @staticmethod
+        def _train_loaders(trainer: Any) -> list[Any]:
+            loader = trainer.fit_loop._combined_loader
+            return list(loader.flattened) if loader is not None else []
+
+        def _set_epoch(self, trainer: Any) -> None:
+            # Lightning sets the epoch on a loader's sampler only; unbroken's loader is told
+            # directly, as Run.epochs() does (a no-op for the epoch in progress).
+            for dl in self._train_loaders(trainer):
+                if callable(getattr(dl, "set_epoch", None)) and getattr(dl, "kind", "") == "loader":
+                    dl.set_epoch(trainer.current_epoch)
+
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            self._lr = float(optimizer.param_groups[0]["lr"])  # the lr this step uses
+
+        def on_train_batch_end(
+            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
+            run = self.run
+            if run is None or trainer.global_step == run.counters.step:
+                return  # a micro-batch of a gradient-accumulation window: no optimizer step
+            assert self._loop is not None
+            self._loop.at_step_end = None
+            self._loop.at_step_end = copy.deepcopy(trainer.fit_loop.state_dict())
+            run.counters.epoch = trainer.current_epoch
+            loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+            if not isinstance(loss, (torch.Tensor, float, int)):
+                loss = None
+            scalars = {"lr": self._lr} if self._lr is not None else {}
+            run.step(loss=loss, **scalars)
+
+        # ---- the end ------------------------------------------------------------------------
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            if self.run is not None:
+                self.run.finish()
+
+        def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+            run = self.run
+            if run is None or run.closed:
+                return
+            if isinstance(exception, SIGTERMException):
+                # Lightning's own SIGTERM stop, raised after the step's batch end: save that
+                # step (unless saved already) and make the exit resumable.
+                if run.last_saved_step != run.counters.step:
+                    run.save(blocking=True)
+                run.stopped = True
+                run.close()
+                exception.code = EXIT_RESUMABLE
+                print(
+                    f"unbroken: stopped at step {run.counters.step} (SIGTERM); checkpoint saved "
+                    f"in {run.dir}; relaunch the same command to continue",
+                    file=sys.stderr,
+                )
+                return
+            run.close()  # a crash: release the lock; the last checkpoint stays the latest
+
+        def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            if self.run is not None and not self.run.closed:
+                self.run.close()
+
+    return LightningResume

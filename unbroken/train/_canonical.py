@@ -1,0 +1,416 @@
+"""Canonical micro-shards: the same update, bit for bit, on every world size that divides K.
+
+A plain DDP all-reduce sums the ranks' gradients in an order fixed by the world size, so a run
+resumed on another number of ranks agrees with the original only up to rounding. Here the global
+batch is cut into K shards fixed by the data stream (shard k is the k-th K-th of the global
+batch, whatever the world size); each rank runs forward and backward on each of its K/W shards
+separately (same shapes, same inputs, same kernels: the same bits as on any other rank), keeps
+one flat gradient per shard, and at the step's end every rank all-gathers the K per-shard
+gradients and adds them in shard order 0, 1, ..., K-1. Random draws inside a shard (dropout)
+come from a generator seeded from (seed, call, shard), not from the rank's stream.
+
+What stays the user's: the loss, ``optimizer.step()``, GradScaler, clipping, EMA, schedules.
+``p.grad`` holds, after the last shard of a synchronised call, exactly what DDP would hold up to
+rounding: the mean over shards (DDP: over ranks) of the shard-mean gradients, added to whatever
+``p.grad`` held before (backward's accumulation semantics).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import _dist
+from .._errors import ConfigError
+from ..data._seeding import derive
+from ..state._adapters import _is_dtensor, unwrap
+
+STATE_VERSION = 1
+_BUCKET = 1 << 22  # elements per all-gather: bounds the receive buffer at K * 4M elements
+
+
+@dataclass
+class _Layout:
+    """Where each parameter's gradient lives in the flat per-shard buffers (one per dtype)."""
+
+    params: list[torch.nn.Parameter]
+    groups: dict[torch.dtype, list[tuple[int, int, int]]]  # dtype -> (param idx, offset, numel)
+    sizes: dict[torch.dtype, int]
+    device: torch.device
+
+
+class CanonicalShards:
+    """Make every world size dividing ``shards`` compute the very same update.
+
+    ``model``: the (DDP-wrapped or plain) module, or a function returning the current one
+    (``lambda: run.model`` after model changes). ``scaler``: a GradScaler whose scale
+    :meth:`backward` applies. ``seed``: the per-shard random streams' seed. Track it in the run
+    (``Run(..., canonical=canon)``) so its call count, which seeds those streams, resumes too::
+
+        canon = unbroken.CanonicalShards(net, shards=6, scaler=scaler)
+        run = unbroken.Run("runs/x", model=net, optimizer=opt, loader=loader, canonical=canon)
+        for x, y in run.loop(loader):
+            for xs, ys in canon.shards(x, y, sync=not run.accumulating):
+                canon.backward(F.cross_entropy(net(xs), ys))
+            opt.step(); opt.zero_grad()
+            run.step(loss=canon.loss)
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | Callable[[], torch.nn.Module],
+        shards: int,
+        *,
+        scaler: Any = None,
+        seed: int = 0,
+        group: Any = None,
+    ) -> None:
+        if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+            raise ConfigError(f"CanonicalShards: shards must be a positive int, got {shards!r}")
+        self.num_shards = shards
+        self.scaler = scaler
+        self.seed = int(seed)
+        self.group = group
+        self._get = model if not isinstance(model, torch.nn.Module) else (lambda: model)
+        self.world = _dist.world_size() if group is None else dist.get_world_size(group)
+        self.rank = _dist.rank() if group is None else dist.get_rank(group)
+        if shards % self.world:
+            raise ConfigError(
+                f"CanonicalShards: {shards} shards cannot be split over {self.world} ranks; "
+                f"run on a world size that divides {shards} (or choose shards as a multiple of "
+                "every world size you will use, e.g. 12 for 1, 2, 3, 4, 6)"
+            )
+        self.calls = 0
+        """Calls of :meth:`shards` so far (seeds the per-shard random streams; saved)."""
+        self.loss: torch.Tensor | None = None
+        """After a synchronised call: the mean over shards of the losses given to
+        :meth:`backward` (summed over unsynchronised calls), the same on every rank."""
+        self._layout: _Layout | None = None
+        self._bufs: dict[torch.dtype, torch.Tensor] = {}
+        self._recv: dict[Any, torch.Tensor] = {}
+        self._has: list[list[bool]] = []
+        self._losses: torch.Tensor | None = None
+        self._pending = False  # unsynchronised shards are waiting in the buffers
+        self._shard: int | None = None  # the local shard being computed, inside shards()
+        self._backed = False
+        self._counted: list[bool] = []
+        self._checked = False
+        if isinstance(model, torch.nn.Module):  # a function may name a run not built yet
+            self._check_startup(model)
+
+    # ---- start-up checks ------------------------------------------------------------------------
+
+    def _check_startup(self, model: torch.nn.Module) -> None:
+        self._checked = True
+        inner = unwrap(model)
+        if any(_is_dtensor(p) for p in inner.parameters()) or type(inner).__name__.startswith(
+            "FSDP"
+        ):
+            raise ConfigError(
+                "CanonicalShards does not support FSDP2 (sharded parameters are reduce-scattered "
+                "in an order fixed by the world size); use DDP or a plain module"
+            )
+        norms = [n for n, m in inner.named_modules() if _running_stats(m)]
+        if norms:
+            warnings.warn(
+                f"CanonicalShards: {norms[0]!r} keeps running statistics; they are updated by "
+                "the shards each rank computes, so they (not the gradients) depend on the world "
+                "size. Use track_running_stats=False, or LayerNorm/GroupNorm",
+                stacklevel=3,
+            )
+        if torch.cuda.is_available() and not torch.are_deterministic_algorithms_enabled():
+            warnings.warn(
+                "CanonicalShards: torch.use_deterministic_algorithms(True) is off; CUDA kernels "
+                "(atomics in index_add, scatter, some convolutions) may change the bits from run "
+                "to run, and then from world size to world size",
+                stacklevel=3,
+            )
+        threads = _dist.all_gather_object(torch.get_num_threads(), self.group)
+        if len(set(threads)) > 1:
+            warnings.warn(
+                f"CanonicalShards: ranks use different intra-op thread counts {threads}; CPU "
+                "reductions split by thread, so shards computed on different ranks may differ "
+                "in the last bit. Call torch.set_num_threads(N) with the same N everywhere",
+                stacklevel=3,
+            )
+
+    # ---- the user's loop ------------------------------------------------------------------------
+
+    def shards(self, *batch: Any, sync: bool = True) -> Iterator[Any]:
+        """Yield this rank's canonical shards of its slice of the global batch.
+
+        Each item has the structure of ``batch`` (one argument: that object itself), cut along
+        dim 0. Call :meth:`backward` once per shard. With ``sync=True`` (the default) the
+        step's gradient is formed when the last shard is done; ``sync=False`` keeps it pending
+        (gradient accumulation: ``sync=not run.accumulating``).
+        """
+        model = self._get()
+        if not self._checked:
+            self._check_startup(model)
+        per = self.num_shards // self.world
+        first = self.rank * per
+        pieces = _split(batch[0] if len(batch) == 1 else batch, per, self.num_shards, self.world)
+        layout = self._ensure_layout(model)
+        # Gradients already in p.grad stay out of the shards; the result is added to them.
+        stash = [p.grad for p in layout.params]
+        for p in layout.params:
+            p.grad = None
+        call = self.calls
+        self.calls += 1
+        with ExitStack() as stack:
+            no_sync = getattr(model, "no_sync", None)
+            if callable(no_sync):  # DDP must not all-reduce: the shards are summed here
+                stack.enter_context(no_sync())
+            for j, piece in enumerate(pieces):
+                self._shard, self._backed = j, False
+                seed = derive(self.seed, call, first + j, domain=b"canonical-shard")
+                try:
+                    with _forked_rng(seed):
+                        yield piece
+                finally:
+                    self._shard = None
+                if not self._backed:
+                    raise ConfigError(
+                        f"CanonicalShards: shard {first + j} ended without canon.backward(loss)"
+                    )
+                self._harvest(layout, j)
+        self._pending = True
+        if sync:
+            self._reduce(layout)
+        for p, old in zip(layout.params, stash, strict=True):
+            if old is not None:
+                p.grad = old if p.grad is None else old.add_(p.grad)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` for the current shard (scaled by the scaler if one was given)."""
+        j = self._shard
+        if j is None:
+            raise ConfigError("CanonicalShards.backward() must be called inside canon.shards()")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ConfigError("CanonicalShards.backward() needs the shard's scalar loss tensor")
+        assert self._losses is not None
+        value = loss.detach().float().reshape(()).cpu()
+        self._losses[j] = value if not self._counted[j] else self._losses[j] + value
+        self._counted[j] = self._backed = True
+        scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+        scaled.backward()
+
+    # ---- gradients ------------------------------------------------------------------------------
+
+    def _ensure_layout(self, model: torch.nn.Module) -> _Layout:
+        params = [p for p in unwrap(model).parameters() if p.requires_grad]
+        old = self._layout
+        if old is not None and len(old.params) == len(params):
+            if all(a is b for a, b in zip(old.params, params, strict=True)):
+                return old
+        if self._pending:
+            raise ConfigError(
+                "CanonicalShards: the model's parameters changed while gradients were pending "
+                "(sync=False); change the model only at a step boundary"
+            )
+        groups: dict[torch.dtype, list[tuple[int, int, int]]] = {}
+        sizes: dict[torch.dtype, int] = {}
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ConfigError(f"CanonicalShards: parameters on several devices {devices}")
+        for i, p in enumerate(params):
+            off = sizes.get(p.dtype, 0)
+            groups.setdefault(p.dtype, []).append((i, off, p.numel()))
+            sizes[p.dtype] = off + p.numel()
+        per = self.num_shards // self.world
+        device = params[0].device if params else torch.device("cpu")
+        self._layout = _Layout(params, groups, sizes, device)
+        self._bufs = {dt: torch.zeros(per, n, dtype=dt, device=device) for dt, n in sizes.items()}
+        self._has = [[False] * len(params) for _ in range(per)]
+        self._losses = torch.zeros(per)
+        self._counted = [False] * per
+        return self._layout
+
+    def _harvest(self, layout: _Layout, j: int) -> None:
+        """Move the shard's gradients out of ``p.grad`` into its flat buffer."""
+        has = self._has[j]
+        for dt, entries in layout.groups.items():
+            buf = self._bufs[dt][j]
+            for i, off, n in entries:
+                g = layout.params[i].grad
+                if g is None:
+                    continue
+                dst = buf[off : off + n]
+                if has[i]:
+                    dst.add_(g.reshape(-1))
+                else:
+                    dst.copy_(g.reshape(-1))
+                    has[i] = True
+                layout.params[i].grad = None
+
+    def _reduce(self, layout: _Layout) -> None:
+        """All-gather the K shards' gradients and add them in shard order (every rank alike)."""
+        assert self._losses is not None
+        flags = torch.tensor(self._has, dtype=torch.float64).reshape(len(self._has), -1)
+        side = torch.cat([self._losses.double()[:, None], flags], 1).to(layout.device)
+        side_all = self._gather(side).cpu()  # (K, 1 + params): small, exact in float64
+        losses = side_all[:, 0].float()
+        total = losses[0].clone()
+        for k in range(1, self.num_shards):
+            total += losses[k]
+        self.loss = total / self.num_shards
+        has = side_all[:, 1:].amax(0) > 0
+        for dt, entries in layout.groups.items():
+            flat = self._sum_shards(self._bufs[dt])
+            for i, off, n in entries:
+                if has[i]:
+                    p = layout.params[i]
+                    p.grad = flat[off : off + n].view_as(p)
+        self._bufs = {dt: b.zero_() for dt, b in self._bufs.items()}
+        self._has = [[False] * len(row) for row in self._has]
+        self._losses.zero_()
+        self._counted = [False] * len(self._counted)
+        self._pending = False
+
+    def _sum_shards(self, local: torch.Tensor) -> torch.Tensor:
+        """The mean over all K shards, summed 0, 1, ..., K-1, one bucket of columns at a time.
+
+        Every rank gathers every shard's values and does the same adds in the same order, so
+        the bits depend neither on W nor on the rank. (Each rank summing a W-th of the columns
+        after an all-to-all would move less, but with gloo's all-to-all, torch 2.13, processes
+        aborted (SIGABRT) at exit in 2 of 18 short runs: an exit must keep its code.)
+        """
+        per, n = local.shape
+        out = torch.empty(n, dtype=local.dtype, device=local.device)
+        for lo in range(0, n, _BUCKET):
+            hi = min(n, lo + _BUCKET)
+            if self.world == 1:
+                every = local[:, lo:hi]
+            else:
+                every = self._buffer("recv", (self.num_shards, hi - lo), local)
+                part = local if hi - lo == n else local[:, lo:hi].contiguous()
+                _all_gather(every, part, self.group)
+            acc = out[lo:hi]
+            acc.copy_(every[0])
+            for k in range(1, self.num_shards):
+                acc.add_(every[k])  # elementwise: the same bits for any thread count
+            acc.div_(self.num_shards)
+        return out
+
+    def _buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        key = (name, like.dtype, like.device, shape)
+        buf = self._recv.get(key)
+        if buf is None:  # kept: a fresh buffer each step costs its page faults again
+            buf = self._recv[key] = torch.empty(shape, dtype=like.dtype, device=like.device)
+        return buf
+
+    def _gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows, in rank order: the K shards in canonical order (small tensors)."""
+        if self.world == 1:
+            return local
+        shape = (self.world * local.shape[0], *local.shape[1:])
+        out = torch.empty(shape, dtype=local.dtype, device=local.device)
+        _all_gather(out, local, self.group)
+        return out
+
+    # ---- Stateful -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._pending:
+            raise ConfigError(
+                "CanonicalShards: saving while gradients are pending (sync=False); save at a "
+                "step boundary"
+            )
+        return {
+            "version": STATE_VERSION,
+            "shards": self.num_shards,
+            "seed": self.seed,
+            "threads": torch.get_num_threads(),
+            "calls": self.calls,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ConfigError(f"CanonicalShards state has version {state.get('version')!r}")
+        self.calls = int(state["calls"])
+        for key, now in (("shards", self.num_shards), ("seed", self.seed)):
+            if state[key] != now:
+                warnings.warn(
+                    f"CanonicalShards: {key} was {state[key]} and is {now} now; the run goes on, "
+                    "but no longer computes what a run that kept it would",
+                    stacklevel=2,
+                )
+        if state["threads"] != torch.get_num_threads():
+            warnings.warn(
+                f"CanonicalShards: the run was saved with {state['threads']} intra-op threads and "
+                f"now has {torch.get_num_threads()}; CPU reductions split by thread, so the bits "
+                "may differ from an uninterrupted run. Call torch.set_num_threads("
+                f"{state['threads']})",
+                stacklevel=2,
+            )
+
+
+def _all_gather(out: torch.Tensor, local: torch.Tensor, group: Any) -> None:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, local, group=group)
+
+
+def _running_stats(m: torch.nn.Module) -> bool:
+    """BatchNorm / InstanceNorm that update running statistics in training."""
+    return bool(getattr(m, "track_running_stats", False)) and isinstance(
+        getattr(m, "running_mean", None), torch.Tensor
+    )
+
+
+@contextmanager
+def _forked_rng(seed: int) -> Iterator[None]:
+    """Draws inside the block come from ``seed``; the rank's own streams are put back after."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def _split(batch: Any, per: int, k: int, world: int) -> list[Any]:
+    """``per`` equal pieces of a (nested) batch along dim 0."""
+    sizes: set[int] = set()
+    _dim0(batch, sizes)
+    if len(sizes) != 1:
+        raise ConfigError(
+            "CanonicalShards: the batch needs tensors whose first dimensions agree (got "
+            f"{sorted(sizes) or 'none'})"
+        )
+    n = sizes.pop()
+    if n % per:
+        raise ConfigError(
+            f"CanonicalShards: this rank's batch of {n} samples cannot be cut into {per} equal "
+            f"shards; the global batch ({n * world}) must be a multiple of shards={k} (an "
+            "epoch's last, smaller batch too: use drop_last=True or a dataset length that is a "
+            "multiple of the batch size)"
+        )
+    size = n // per
+    return [_take(batch, j * size, (j + 1) * size) for j in range(per)]
+
+
+def _dim0(obj: Any, out: set[int]) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.add(obj.shape[0] if obj.dim() else -1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _dim0(v, out)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _dim0(v, out)
+
+
+def _take(obj: Any, lo: int, hi: int) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj[lo:hi]
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_take(v, lo, hi) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_take(v, lo, hi) for v in obj)
+    if isinstance(obj, dict):
+        return {key: _take(v, lo, hi) for key, v in obj.items()}
+    return obj

@@ -1,0 +1,96 @@
+"""Which checkpoint a starting run resumes from -- and what it refuses to do instead.
+
+A run directory whose checkpoints none of which loads is an error, never a fresh start (a
+reader that cannot read what an older version wrote must not let retention delete it);
+starting over is an explicit ``start_over=True``, which moves everything aside.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+from .. import _dist
+from .._errors import ConfigError, CorruptCheckpointError
+from ..store import CheckpointReader, CheckpointStore
+from ._config import RunConfig
+from ._metrics import METRICS_FILE
+
+
+def choose_checkpoint(run: Any) -> CheckpointReader | None:
+    """Rank 0 picks (and verifies) the checkpoint; every rank opens the same step."""
+    choice: tuple[int | None, str | None] = (None, None)
+    if run.rank == 0:
+        try:
+            choice = (_pick(run), None)
+        except Exception as e:
+            if run.world_size == 1:
+                raise
+            choice = (None, f"{type(e).__name__}: {e}")  # told to every rank, then raised
+    step, error = _dist.broadcast_object(choice)
+    if error is not None:
+        raise ConfigError(f"choosing the checkpoint to resume from failed on rank 0: {error}")
+    if step is None:
+        return None
+    return run.store.open(step, checksums=False)
+
+
+def _pick(run: Any, one_pass: bool = True) -> int | None:
+    # In one process the data files' checksums are verified while the load reads them (one
+    # pass over the disk); rank 0 of several verifies everything first, since the other ranks
+    # load what it chose.
+    data = not (one_pass and run.world_size == 1)
+    return pick_step(run.store, run.config, os.path.join(run.dir, METRICS_FILE), data)
+
+
+def restore_or_fall_back(run: Any, reader: CheckpointReader) -> None:
+    """``run._restore(reader)``; if its data fails the checksums while loading (one process),
+    load the next checkpoint that verifies over it."""
+    try:
+        run._restore(reader)
+        return
+    except CorruptCheckpointError as e:
+        if run.world_size > 1 or run.config.resume is not True:
+            raise
+        warnings.warn(
+            f"checkpoint {reader.path} failed its checksums while loading: {e}; loading an "
+            "earlier one over it",
+            stacklevel=3,
+        )
+    # The live tensors were partly overwritten: the next checkpoint that verifies (this time
+    # every byte, before loading; the bad one is moved aside as unusable) is loaded over all.
+    step = _pick(run, one_pass=False)
+    if step is None:
+        raise CorruptCheckpointError(f"no checkpoint in {run.store.root} loads")
+    run._restore(run.store.open(step, checksums=False))
+
+
+def pick_step(
+    store: CheckpointStore, config: RunConfig, metrics_path: str, data: bool = True
+) -> int | None:
+    """The step to resume from (None: a fresh start); rank 0 only, holding the lock.
+    ``data=False``: format-2 data files are verified by the load instead (one pass)."""
+    want = config.resume
+    if config.start_over:
+        store.abandon(extra=[metrics_path])
+        return None
+    if want is False:
+        if store.listing(checksums=False):
+            raise ConfigError(
+                f"resume=False but {store.root} already holds checkpoints; use another run "
+                "directory, resume=True, or start_over=True (moves them aside)"
+            )
+        return None
+    if want is True:
+        # Raises when checkpoints exist and none loads: never a fresh start over them.
+        latest = store.latest(checksums=config.verify_checksums, data=data)
+        if latest is None:
+            return None
+        # Newer ones were unusable: move them aside, so that neither saving their step again
+        # nor retention destroys them.
+        store.supersede_newer(latest.step, unusable=True)
+        return latest.step
+    step = store.open(int(want), checksums=config.verify_checksums).step
+    store.supersede_newer(step)
+    return step
