@@ -3,10 +3,11 @@
 Writing (bench/bench_checkpoint.py measured each choice on the 1 GB state): the chunks are
 copied into a few page-aligned staging buffers and hashed there (xxh3, which releases the GIL)
 by the calling thread, while one writer thread ``pwrite``s full buffers with ``O_DIRECT``. The
-copy and hash (~0.12 s/GB) hide behind the writes (~0.36 s/GB), so a save runs at the disk's
-``O_DIRECT`` ceiling; through the page cache the same bytes took 2-8x longer on this disk
-(dirty-page writeback, then fsync). Where ``O_DIRECT`` is refused (tmpfs, some network file
-systems) the same pipeline writes through the page cache. The caller fsyncs the file.
+copy and hash (~0.12 s/GB) hide behind the writes (~0.36 s/GB); through the page cache the
+same bytes took 2-8x longer on this disk (dirty-page writeback, then fsync). Where ``O_DIRECT``
+is refused (tmpfs -- the in-memory snapshots -- and some network file systems) each tensor is
+hashed and written from its own memory instead, the page cache being the staging. The caller
+fsyncs the file.
 
 Reading: one ``preadv`` per chunk straight into the destination tensor's memory (no staging,
 no extra resident copy), then the chunk's xxh3 computed on the destination while it is hot in
@@ -135,9 +136,12 @@ def write_chunks(path: str, tensors: Iterable[tuple[Any, torch.Tensor]]) -> tupl
     _fsops.event("create", path)
     with _stages.lock, one_thread():
         _stages.ensure()
-        fd, _direct = _open_for_write(path)
+        fd, direct = _open_for_write(path)
         try:
-            out, size = _produce(fd, path, tensors)
+            if direct:
+                out, size = _produce(fd, path, tensors)
+            else:
+                out, size = _produce_buffered(fd, path, tensors)
             os.ftruncate(fd, size)  # the last stage was written padded to a whole block
         except OSError as e:
             if e.filename is None:
@@ -212,6 +216,34 @@ def _produce(fd: int, path: str, tensors: Iterable[tuple[Any, torch.Tensor]]) ->
         writer.close()
     if writer.error is not None:
         raise writer.error
+    return out, pos
+
+
+def _produce_buffered(
+    fd: int, path: str, tensors: Iterable[tuple[Any, torch.Tensor]]
+) -> tuple[list, int]:
+    """Without O_DIRECT (tmpfs: the in-memory snapshots): the page cache is the staging, so a
+    contiguous CPU tensor is hashed and ``pwrite``n from its own memory -- one copy, not two
+    (measured 1.6x faster for a 1 GB snapshot into /dev/shm). Gaps stay holes (read as zeros)."""
+    out: list[tuple[Any, int, int, str]] = []
+    pos = 0
+    started = False
+    for key, t in tensors:
+        if not started:
+            started = True
+            _fsops.event("write", path)
+        t = t.detach()
+        if t.device.type != "cpu" or not t.is_contiguous():
+            t = t.contiguous().cpu()
+        start = -(-pos // ALIGN) * ALIGN
+        nbytes = t.numel() * t.element_size()
+        view = memoryview(b"")
+        if nbytes:
+            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        digest = xxhash.xxh3_64_hexdigest(view)
+        _pwrite_all(fd, view, start)
+        out.append((key, start, nbytes, digest))
+        pos = start + nbytes
     return out, pos
 
 
