@@ -85,6 +85,14 @@ class OptimizerState:
             names = [f"#{i}" for i in range(len(params))]
         return names
 
+    def untracked(self) -> list[tuple[int, list[int]]]:
+        """(position, shape) of every parameter this optimizer updates that no tracked module
+        owns: its moments would be saved, its value nowhere (it would restart from its
+        initial value after a resume)."""
+        owned = {id(p) for m in self.modules.values() for p in unwrap(m).parameters(recurse=True)}
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return [(i, list(p.shape)) for i, p in enumerate(params) if id(p) not in owned]
+
     def state_dict(self) -> dict[str, Any]:
         sd = self.optimizer.state_dict()
         names = self._names()

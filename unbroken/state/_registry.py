@@ -9,6 +9,7 @@ what was saved agree, naming the first thing that does not.
 from __future__ import annotations
 
 import random
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -209,6 +210,24 @@ class Registry:
                     made if made is not None else torch.empty(info.shape, dtype=info.dtype)
                 )
         return targets
+
+    def warn_untracked_parameters(self) -> None:
+        """Name every parameter an optimizer updates that no tracked module owns (a CLIP-style
+        ``logit_scale``, a module not passed to Run): its moments are saved and its value
+        nowhere, so a resume would restart it from its initial value (issue 17)."""
+        for c in self:
+            untracked = getattr(c.adapter, "untracked", None)
+            lost: list[tuple[int, list[int]]] = untracked() if untracked is not None else []
+            if not lost:
+                continue
+            where = ", ".join(f"#{i} (shape {shape})" for i, shape in lost[:5])
+            warnings.warn(
+                f"optimizer {c.name!r} updates {len(lost)} parameter(s) that no tracked module "
+                f"owns: {where}; their values are not saved, so a resume would restart them "
+                "from their initial values. Pass the module that owns them to Run, or hold "
+                "them in a module (e.g. torch.nn.ParameterDict) that you pass",
+                stacklevel=4,
+            )
 
     def restore(
         self, names: Iterable[str], trees: Mapping[str, Any], tensors: dict[str, torch.Tensor]

@@ -2,7 +2,9 @@
 
 A run directory whose checkpoints none of which loads is an error, never a fresh start (a
 reader that cannot read what an older version wrote must not let retention delete it);
-starting over is an explicit ``start_over=True``, which moves everything aside.
+starting over is an explicit ``start_over=True``, which moves everything aside. Then how the
+chosen checkpoint is restored: the saved stage's model built first, every component loaded,
+and -- in one process -- the previous checkpoint loaded over a load that failed its checksums.
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ import warnings
 from typing import Any
 
 from .. import _dist
-from .._errors import ConfigError, CorruptCheckpointError
+from .._errors import ConfigError, CorruptCheckpointError, StateError
+from ..data._seeding import derive, seed_globals
 from ..store import CheckpointReader, CheckpointStore
+from ..store._manifest import rank_file
 from ._config import RunConfig
 from ._metrics import METRICS_FILE
+from ._tree_peek import saved_stage
 
 
 def choose_checkpoint(run: Any) -> CheckpointReader | None:
@@ -94,3 +99,51 @@ def pick_step(
     step = store.open(int(want), checksums=config.verify_checksums).step
     store.supersede_newer(step)
     return step
+
+
+def restore(run: Any, reader: CheckpointReader) -> None:
+    """Load ``reader`` into every component of ``run`` (the model of the saved stage first)."""
+    trees = reader.global_trees()
+    local = reader.local_trees(run.rank)
+    allow_missing = set(run.config.allow_missing)
+    if local is None and run.rank < reader.world_size:
+        raise CorruptCheckpointError(
+            f"checkpoint {reader.path} was saved by {reader.world_size} ranks but holds no "
+            f"state of rank {run.rank} ({rank_file(run.rank)})"
+        )
+    if local is None:
+        # A rank that did not exist when this was saved (resume on more ranks): its
+        # rank-local streams start from a seed derived from (step, rank); documented.
+        allow_missing |= {c.name for c in run.registry if c.rank_local}
+        seed_globals(derive(reader.step, run.rank, domain=b"new-rank"))
+        warnings.warn(
+            f"rank {run.rank} did not exist when step {reader.step} was saved (world size "
+            f"{reader.world_size}); its random streams are seeded from (step, rank)",
+            stacklevel=4,
+        )
+    else:
+        trees = {**trees, **local}
+    stage = saved_stage(trees)
+    if stage != run.counters.stage:
+        # Build the model of the saved stage before loading anything into it.
+        if run.config.model_factory is None:
+            raise StateError(
+                f"checkpoint {reader.path} is at stage {stage!r} but the model was built "
+                f"for stage {run.counters.stage!r} and Run has no model_factory to build "
+                "the saved stage; pass model_factory=build(stage)"
+            )
+        run._stepper.swap_model(run.config.model_factory(stage), reason="resume")
+    names = run.registry.check_names(
+        trees,
+        allow_missing=allow_missing,
+        allow_unexpected=run.config.allow_unexpected,
+        where=f"checkpoint {reader.path}",
+    )
+    targets = run.registry.plan(names, trees, reader.tensor_infos())
+    # The same checkpoint from this node's shared memory, if a supervisor kept it there.
+    run._snapshots.source_for(reader).load_tensors(targets)
+    run.registry.restore(names, trees, targets)
+    run.resumed_from = reader.step
+    m = run.config.max_steps
+    if run.counters.complete and m is not None and run.counters.step < m:
+        run._extend(f"max_steps={m}")

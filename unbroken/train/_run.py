@@ -16,6 +16,7 @@ Order of events (the contract; docs/resume.md repeats it)::
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -26,21 +27,19 @@ from typing import Any
 import torch
 
 from .. import _dist
-from .._errors import ConfigError, CorruptCheckpointError, StateError
+from .._errors import ConfigError
 from .._exit import EXIT_RESUMABLE
 from ..data._contract import check_world, is_loader, refuse_torch_loader
 from ..data._seeding import derive, seed_globals
 from ..state import Counters, GlobalRNG, Registry
 from ..store import AsyncSaver, CheckpointReader, CheckpointStore, Retention, WriterLock, step_name
-from ..store._manifest import rank_file
-from ._choose import choose_checkpoint, restore_or_fall_back
+from ._choose import choose_checkpoint, restore, restore_or_fall_back
 from ._config import RunConfig, deadline, option_hint
 from ._loop import Stepper
 from ._metrics import MetricsLog
 from ._progress import Progress, next_save_text, steps_for_epochs
 from ._signals import StopRequest, install_signal_handlers, process_start
 from ._snapshots import Snapshots
-from ._tree_peek import saved_stage
 
 _RESERVED = ("counters", "rng")
 
@@ -78,6 +77,7 @@ class Run:
             if is_loader(obj):
                 check_world(name, obj, self.rank, self.world_size)
         self.registry.add("counters", self.counters)
+        self.registry.warn_untracked_parameters()
         if self.config.track_rng:
             self.registry.add("rng", GlobalRNG())
         self.store = CheckpointStore(
@@ -151,47 +151,7 @@ class Run:
             self._progress = Progress(self.config.max_steps, self.counters.step)
 
     def _restore(self, reader: CheckpointReader) -> None:
-        trees = reader.global_trees()
-        local = reader.local_trees(self.rank)
-        allow_missing = set(self.config.allow_missing)
-        if local is None and self.rank < reader.world_size:
-            raise CorruptCheckpointError(
-                f"checkpoint {reader.path} was saved by {reader.world_size} ranks but holds no "
-                f"state of rank {self.rank} ({rank_file(self.rank)})"
-            )
-        if local is None:
-            # A rank that did not exist when this was saved (resume on more ranks): its
-            # rank-local streams start from a seed derived from (step, rank); documented.
-            allow_missing |= {c.name for c in self.registry if c.rank_local}
-            seed_globals(derive(reader.step, self.rank, domain=b"new-rank"))
-            warnings.warn(
-                f"rank {self.rank} did not exist when step {reader.step} was saved (world size "
-                f"{reader.world_size}); its random streams are seeded from (step, rank)",
-                stacklevel=3,
-            )
-        else:
-            trees = {**trees, **local}
-        stage = saved_stage(trees)
-        if stage != self.counters.stage:
-            # Build the model of the saved stage before loading anything into it.
-            if self.config.model_factory is None:
-                raise StateError(
-                    f"checkpoint {reader.path} is at stage {stage!r} but the model was built "
-                    f"for stage {self.counters.stage!r} and Run has no model_factory to build "
-                    "the saved stage; pass model_factory=build(stage)"
-                )
-            self._stepper.swap_model(self.config.model_factory(stage), reason="resume")
-        names = self.registry.check_names(
-            trees,
-            allow_missing=allow_missing,
-            allow_unexpected=self.config.allow_unexpected,
-            where=f"checkpoint {reader.path}",
-        )
-        targets = self.registry.plan(names, trees, reader.tensor_infos())
-        # The same checkpoint from this node's shared memory, if a supervisor kept it there.
-        self._snapshots.source_for(reader).load_tensors(targets)
-        self.registry.restore(names, trees, targets)
-        self.resumed_from = reader.step
+        restore(self, reader)
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -286,6 +246,16 @@ class Run:
         mean = total[3] / self.world_size if loss is not None else None
         return total[0] > 0, total[1] > 0, total[2] > 0, mean
 
+    def _extend(self, target: str) -> None:
+        # A finished run asked for more: it continues (issue 17), and says so.
+        self.counters.complete = False
+        logging.getLogger("unbroken").warning(
+            "unbroken: %s was complete at step %d; continuing it to %s",
+            self.dir,
+            self.counters.step,
+            target,
+        )
+
     def _halt(self, reason: str) -> bool:
         self.stopped = True
         self.close()
@@ -317,6 +287,9 @@ class Run:
             self._progress.set_total(
                 steps_for_epochs(loaders[0] if loaders else None, self.counters, num_epochs)
             )
+        if self.counters.complete and self.counters.epoch < num_epochs:
+            if self.config.max_steps is None:
+                self._extend(f"{num_epochs} epochs")
         while self.counters.epoch < num_epochs and not self.done:
             epoch = self.counters.epoch
             loaders = self._loaders()
