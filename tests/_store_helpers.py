@@ -358,3 +358,28 @@ if __name__ == "__main__":
     result = {sc: _sweep(os.path.join(sys.argv[1], sc), sc) for sc in SCENARIOS}
     with open(os.path.join(sys.argv[1], "result.json"), "w") as f:
         json.dump(result, f)
+
+
+# ---- crafting non-regular files -----------------------------------------------------------------
+
+
+def fifo_for(name: str) -> Callable[[str], None]:
+    """Replace ``name`` of a checkpoint directory by a FIFO."""
+
+    def craft(d: str) -> None:
+        os.remove(os.path.join(d, name))
+        os.mkfifo(os.path.join(d, name))
+
+    return craft
+
+
+def symlink_for(name: str) -> Callable[[str], None]:
+    """Replace ``name`` by a symlink to a valid copy outside the directory."""
+
+    def craft(d: str) -> None:
+        outside = os.path.join(os.path.dirname(d), "copy-" + name)
+        shutil.copy(os.path.join(d, name), outside)
+        os.remove(os.path.join(d, name))
+        os.symlink(outside, os.path.join(d, name))
+
+    return craft

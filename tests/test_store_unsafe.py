@@ -26,11 +26,13 @@ from tests._store_helpers import (
     ckpt,
     deadline,
     evil_pickle,
+    fifo_for,
     latest,
     make_run,
     read_manifest_raw,
     refresh_manifest,
     restore,
+    symlink_for,
     write_manifest_raw,
 )
 from unbroken import CorruptCheckpointError, UnsafeCheckpointError
@@ -87,24 +89,6 @@ def replace_file(name: str, data: bytes) -> Callable[[str], None]:
 def overlap(doc: dict[str, Any]) -> None:
     a, b = chunk(doc, "model/0.weight"), chunk(doc, "model/0.bias")
     b["offset"] = a["offset"] + 64
-
-
-def fifo(name: str) -> Callable[[str], None]:
-    def craft(d: str) -> None:
-        os.remove(os.path.join(d, name))
-        os.mkfifo(os.path.join(d, name))
-
-    return craft
-
-
-def symlink(name: str) -> Callable[[str], None]:
-    def craft(d: str) -> None:
-        outside = os.path.join(os.path.dirname(d), "copy-" + name)
-        shutil.copy(os.path.join(d, name), outside)
-        os.remove(os.path.join(d, name))
-        os.symlink(outside, os.path.join(d, name))
-
-    return craft
 
 
 def manifest_edit(edit: Callable[[dict[str, Any]], None]) -> Callable[[str], None]:
@@ -198,10 +182,10 @@ CASES: dict[str, tuple[Callable[[str], None], str]] = {
     "state-bad-dict": (state_value({"$dict": [[{"a": 1}, 2]]}), "state.json"),
     "state-bad-ndarray": (state_value({"$ndarray": {"dtype": "O", "shape": [1], "data": ""}}), ""),
     "state-tensor-list": (state_value({"$tensor": ["a"]}), "state.json"),
-    "fifo-data-file": (fifo(DATA), DATA),
-    "fifo-table": (fifo("tensors.json"), "tensors.json"),
-    "symlink-data-file": (symlink(DATA), DATA),
-    "symlink-table": (symlink("tensors.json"), "tensors.json"),
+    "fifo-data-file": (fifo_for(DATA), DATA),
+    "fifo-table": (fifo_for("tensors.json"), "tensors.json"),
+    "symlink-data-file": (symlink_for(DATA), DATA),
+    "symlink-table": (symlink_for("tensors.json"), "tensors.json"),
 }
 
 

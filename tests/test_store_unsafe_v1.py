@@ -29,10 +29,12 @@ from tests._store_helpers import (
     ckpt,
     deadline,
     evil_pickle,
+    fifo_for,
     latest,
     refresh_manifest,
     restore,
     rewrite_metadata,
+    symlink_for,
 )
 from unbroken import CorruptCheckpointError, UnsafeCheckpointError
 from unbroken.cli import main
@@ -138,24 +140,6 @@ def huge_shape(d: str) -> None:
         tmd.chunks = [dcp_md.ChunkStorageMetadata(torch.Size([0]), torch.Size([10**15]))]
 
     rewrite_metadata(d, edit)
-
-
-def fifo_for(name: str) -> Callable[[str], None]:
-    def craft(d: str) -> None:
-        os.remove(os.path.join(d, name))
-        os.mkfifo(os.path.join(d, name))
-
-    return craft
-
-
-def symlink_for(name: str) -> Callable[[str], None]:
-    def craft(d: str) -> None:
-        outside = os.path.join(os.path.dirname(d), "copy-" + name)
-        shutil.copy(os.path.join(d, name), outside)
-        os.remove(os.path.join(d, name))
-        os.symlink(outside, os.path.join(d, name))
-
-    return craft
 
 
 def metadata_with_evil_field(marker: str) -> Callable[[str], None]:

@@ -10,7 +10,6 @@ from typing import Any
 import xxhash
 
 from .._errors import CorruptCheckpointError
-from ._safeio import MAX_JSON_BYTES as MAX_JSON_BYTES
 from ._safeio import open_regular, safe_file
 from ._safeio import read_json as read_json
 

@@ -27,6 +27,7 @@ import shutil
 from typing import Any
 
 from .._errors import CheckpointError, LockError
+from .._logfile import METRICS_FILE
 from .._shm import ENV as ENV
 from .._shm import SHM, discard, stale_areas
 from .._shm import supervisor_area as supervisor_area
@@ -135,7 +136,7 @@ def persist(area: str, run_dir: str) -> int | None:
         _commit_copy(snap, run_dir)
     finally:
         lock.release()
-    metrics = os.path.join(run_dir, "metrics.jsonl")
+    metrics = os.path.join(run_dir, METRICS_FILE)
     if os.path.isfile(metrics) and not os.path.islink(metrics):
         _fsops.fsync_file(metrics)  # the log the snapshot records must survive with it
     log.warning(

@@ -35,12 +35,8 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from .._errors import CorruptCheckpointError, UnbrokenError, root_oserror
 from . import _direct, _format, _fsops
 from ._format import Chunk, Entry
-
-
-def _dumps(obj: Any) -> bytes:
-    from ._manifest import dumps
-
-    return dumps(obj)
+from ._manifest import dumps
+from ._safeio import read_json, safe_file
 
 
 class TensorWriter(StorageWriter):
@@ -92,7 +88,7 @@ class TensorWriter(StorageWriter):
         chunks = [r.storage_data for rank in results for r in rank]
         doc = _format.encode(metadata, chunks)
         self.records[_format.TABLE_FILE] = _fsops.write_file(
-            os.path.join(self.directory, _format.TABLE_FILE), _dumps(doc)
+            os.path.join(self.directory, _format.TABLE_FILE), dumps(doc)
         )
 
     @classmethod
@@ -153,7 +149,7 @@ def _write_direct(
         {c.fqn: _format.entry_doc(tensors[c.fqn].dtype, c.sizes, [c]) for c in chunks}
     )
     records[_format.TABLE_FILE] = _fsops.write_file(
-        os.path.join(directory, _format.TABLE_FILE), _dumps(doc)
+        os.path.join(directory, _format.TABLE_FILE), dumps(doc)
     )
     return records
 
@@ -237,8 +233,6 @@ class TensorReader(StorageReader):
         return True
 
     def _path(self, name: str) -> str:
-        from ._safeio import safe_file
-
         return safe_file(self.directory, name)
 
     def _fill(self, reads: Any, chunk: Chunk, item: Any, target: torch.Tensor, cached: Any) -> Any:
@@ -310,8 +304,6 @@ def _load_direct(
         if entry.shape != tuple(target.shape) or entry.dtype != target.dtype:
             return False
         per_file.setdefault(entry.chunks[0].file, []).append((entry.chunks[0], target.detach()))
-    from ._safeio import safe_file
-
     for name, pairs in per_file.items():
         pairs.sort(key=lambda p: p[0].offset)
         reads = _direct.VerifiedReads(safe_file(directory, name), verify)
@@ -330,16 +322,12 @@ def _load_direct(
 
 def read_table(directory: str, file_sizes: dict[str, int]) -> dict[str, Entry]:
     """Parse and validate ``tensors.json`` of ``directory`` (see _format.parse)."""
-    from ._safeio import read_json
-
     where = os.path.join(directory, _format.TABLE_FILE)
     return _format.parse(read_json(directory, _format.TABLE_FILE), where, file_sizes)
 
 
 def verify_data(directory: str, table: dict[str, Entry], files: dict[str, Any]) -> None:
     """Check every data file's chunks against the manifest's checksum of that file."""
-    from ._safeio import safe_file
-
     for name, chunks in _format.file_chunks(table).items():
         path = safe_file(directory, name)
         digests = _direct.hash_chunks(path, chunks)

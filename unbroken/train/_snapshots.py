@@ -33,7 +33,7 @@ class Snapshots:
         self.taken = 0
         if root and every != 0:
             self.area = SnapshotArea(root, clean=run.rank == 0)
-        _dist.barrier()
+            _dist.barrier()  # rank 0 cleaned a killed snapshot's leftovers first
 
     @property
     def active(self) -> bool:
@@ -45,10 +45,14 @@ class Snapshots:
             return  # a durable checkpoint of this step already exists
         if self.interval is not None and step % self.interval:
             return
-        if self.taken == 0 and not self._fits():
-            return
         t0 = time.perf_counter()
-        self._take(step)
+        run, c = self.run, self.run.counters
+        if run._metrics is not None:
+            c.metrics_offset = run._metrics.length()
+        payload = run.registry.collect(run.rank)
+        if self.taken == 0 and not self._fits(payload):
+            return
+        self._take(step, payload)
         self.seconds = time.perf_counter() - t0
         self.taken += 1
         if self.interval is None:
@@ -56,9 +60,8 @@ class Snapshots:
         # The snapshot is not training time.
         self.run._last_tick += time.perf_counter() - t0
 
-    def _fits(self) -> bool:
+    def _fits(self, payload: Any) -> bool:
         assert self.area is not None
-        payload = self.run.registry.collect(self.run.rank)
         nbytes = sum(t.numel() * t.element_size() for t in payload.tensors.values())
         ok = self.area.fits(nbytes) if self.run.rank == 0 else True
         ok = _dist.broadcast_object(ok)
@@ -68,11 +71,8 @@ class Snapshots:
             self.area = None
         return ok
 
-    def _take(self, step: int) -> None:
+    def _take(self, step: int, payload: Any) -> None:
         run, c = self.run, self.run.counters
-        if run._metrics is not None:
-            c.metrics_offset = run._metrics.length()
-        payload = run.registry.collect(run.rank)
         meta = {
             "epoch": c.epoch,
             "samples": c.samples,
