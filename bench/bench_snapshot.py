@@ -5,9 +5,10 @@
 On the 1 GB GPT-shaped state of bench_checkpoint.py (``--quick``: 0.09 GB), interleaved,
 medians of N repeats:
 
-  snapshot          ``SnapshotArea.save`` into /dev/shm (the store's commit protocol on tmpfs:
-                    staging copy + xxh3 + write into tmpfs pages + manifest + rename, then the
-                    previous snapshot deleted), as ``Run`` takes one
+  snapshot          ``SnapshotArea.save`` into /dev/shm, as ``Run`` takes one: ``copy_`` of
+                    every tensor into the free one of two preallocated, mapped slots + xxh3 of
+                    it, the slot hard-linked into the store's commit (JSON files, manifest
+                    last, rename), then the previous snapshot's directory deleted
   copy floor        ``copy_`` of every tensor into preallocated buffers (one thread)
   durable save      ``CheckpointStore.save`` to the disk under --dir (O_DIRECT + fsync)
   restore, disk     verified load of the durable checkpoint into the live tensors after
@@ -177,7 +178,7 @@ def main() -> None:
     )
     print("\n| operation | seconds | vs copy floor |\n| --- | ---: | ---: |")
     for k, name in (
-        ("snapshot", "in-memory snapshot (SnapshotArea.save, /dev/shm)"),
+        ("snapshot", "in-memory snapshot (SnapshotArea.save: copy into a slot + xxh3 + commit)"),
         ("copy", "copy_ into preallocated buffers (floor)"),
         ("durable", "durable save to disk (O_DIRECT + fsync)"),
     ):

@@ -5,9 +5,8 @@ copied into a few page-aligned staging buffers and hashed there (xxh3, which rel
 by the calling thread, while one writer thread ``pwrite``s full buffers with ``O_DIRECT``. The
 copy and hash (~0.12 s/GB) hide behind the writes (~0.36 s/GB); through the page cache the
 same bytes took 2-8x longer on this disk (dirty-page writeback, then fsync). Where ``O_DIRECT``
-is refused (tmpfs -- the in-memory snapshots -- and some network file systems) each tensor is
-hashed and written from its own memory instead, the page cache being the staging. The caller
-fsyncs the file.
+is refused (some tmpfs and network file systems) each tensor is hashed and written from its
+own memory instead, the page cache being the staging. The caller fsyncs the file.
 
 Reading: one ``preadv`` per chunk straight into the destination tensor's memory (no staging,
 no extra resident copy), then the chunk's xxh3 computed on the destination while it is hot in
@@ -222,9 +221,10 @@ def _produce(fd: int, path: str, tensors: Iterable[tuple[Any, torch.Tensor]]) ->
 def _produce_buffered(
     fd: int, path: str, tensors: Iterable[tuple[Any, torch.Tensor]]
 ) -> tuple[list, int]:
-    """Without O_DIRECT (tmpfs: the in-memory snapshots): the page cache is the staging, so a
-    contiguous CPU tensor is hashed and ``pwrite``n from its own memory -- one copy, not two
-    (measured 1.6x faster for a 1 GB snapshot into /dev/shm). Gaps stay holes (read as zeros)."""
+    """Without O_DIRECT (some tmpfs; in-memory snapshots use store/_slots.py instead): the
+    page cache is the staging, so a contiguous CPU tensor is hashed and ``pwrite``n from its
+    own memory -- one copy, not two (measured 1.6x faster for a 1 GB file into /dev/shm).
+    Gaps stay holes (read as zeros)."""
     out: list[tuple[Any, int, int, str]] = []
     pos = 0
     started = False

@@ -2,10 +2,12 @@
 
 Under ``unbroken run`` the supervisor gives the trainer a directory in shared memory
 (``/dev/shm``) through :data:`ENV`. The trainer commits a snapshot there every
-``snapshot_every`` steps -- a complete checkpoint, written by the same store and commit
+``snapshot_every`` steps -- a complete checkpoint, committed by the same store and commit
 protocol as a durable one (temporary name, manifest last, rename), so a snapshot is never torn:
-a kill during one leaves the previous one. On tmpfs nothing reaches a disk, so its cost is about
-two copies of the state (into the staging buffers, then into the tmpfs pages) and a hash.
+a kill during one leaves the previous one. Its tensor bytes go into one of two fixed slots per
+rank, preallocated once and overwritten in place (store/_slots.py: never the slot the newest
+snapshot links), so a snapshot costs about one ``copy_`` of the state and a hash: no disk, no
+fsync reaching a disk, no fresh tmpfs pages.
 
 When the trainer dies without a clean exit, the supervisor (:func:`persist`) commits the newest
 snapshot that verifies into the run directory through the durable commit protocol (its files
@@ -31,9 +33,10 @@ from .._logfile import METRICS_FILE
 from .._shm import ENV as ENV
 from .._shm import SHM, discard, stale_areas
 from .._shm import supervisor_area as supervisor_area
-from . import _fsops, _layout, _manifest
+from . import _fsops, _layout, _manifest, _storage
 from ._lock import WriterLock
 from ._reader import CheckpointReader
+from ._slots import Slots
 from ._store import CheckpointStore, Retention
 
 log = logging.getLogger("unbroken")
@@ -61,6 +64,7 @@ class SnapshotArea:
         self.store = CheckpointStore(root, Retention(keep_last=1))
         if clean:  # rank 0 only: a killed snapshot's leftovers
             self.store.clean_stale()
+        self.slots = Slots(root)
         self.disabled: str | None = None
 
     def fits(self, nbytes: int) -> bool:
@@ -76,17 +80,33 @@ class SnapshotArea:
         return False
 
     def _used(self) -> int:
-        total = 0
-        for _, path in _layout.scan(self.root):
-            for e in os.scandir(path):
-                total += e.stat(follow_symlinks=False).st_size
-        return total
+        return self.slots.used_bytes()
 
     def save(self, step: int, payload: Any, meta: dict[str, Any], group: Any = None) -> str:
-        path = self.store.save(step, payload, meta, group=group)
+        try:
+            with _storage.data_files_into(self.slots):
+                path = self.store.save(step, payload, meta, group=group)
+        except BaseException:
+            self.slots.aborted()  # not committed: the previous snapshot's slot stays in use
+            raise
+        self.slots.committed()
         if _is_rank0():
             self.store.apply_retention(step)
+            self._drop_newer(step)
         return path
+
+    def _drop_newer(self, step: int) -> None:
+        """Snapshots newer than the one just taken belong to a history the trainer left (it
+        resumed an earlier step): persisting one after a crash would resurrect it."""
+        for s, p in _layout.scan(self.root):
+            if s > step:
+                doomed = os.path.join(self.store.root, _layout.del_name(s))
+                _fsops.rename(p, doomed)
+                _fsops.rmtree(doomed)
+
+    def close(self) -> None:
+        """Unmap the slots (the files stay: the supervisor persists or removes them)."""
+        self.slots.close()
 
     def matching(self, reader: CheckpointReader) -> CheckpointReader | None:
         """The snapshot that is ``reader``'s checkpoint (same manifest), if the area holds it."""

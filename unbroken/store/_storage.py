@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -38,13 +39,29 @@ from ._format import Chunk, Entry
 from ._manifest import dumps
 from ._safeio import read_json, safe_file
 
+_local = threading.local()
+
+
+@contextmanager
+def data_files_into(slots: Any) -> Iterator[None]:
+    """Write this thread's data files into ``slots`` (an in-memory snapshot's fixed slots,
+    store/_slots.py) instead of new files. Thread-local: an async durable save running in its
+    own thread meanwhile is not affected."""
+    old = getattr(_local, "slots", None)
+    _local.slots = slots
+    try:
+        yield
+    finally:
+        _local.slots = old
+
 
 class TensorWriter(StorageWriter):
     """Writes format 2 into ``directory``; ``records`` gets {file: (size, xxh3)} of this rank."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, slots: Any = None) -> None:
         super().__init__()
         self.directory = directory
+        self.slots = slots
         self.records: dict[str, tuple[int, str]] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -75,7 +92,7 @@ class TensorWriter(StorageWriter):
             data = planner.resolve_data(item)
             assert isinstance(data, torch.Tensor)
             pairs.append((item, data))
-        chunks = _write_file(self.directory, name, pairs, self.records)
+        chunks = _write_file(self.directory, name, pairs, self.records, self.slots)
         results = [
             WriteResult(index=item.index, size_in_bytes=c.nbytes, storage_data=c)
             for (item, _), c in zip(pairs, chunks, strict=True)
@@ -100,11 +117,16 @@ class TensorWriter(StorageWriter):
 
 
 def _write_file(
-    directory: str, name: str, pairs: list[tuple[Any, torch.Tensor]], records: dict
+    directory: str,
+    name: str,
+    pairs: list[tuple[Any, torch.Tensor]],
+    records: dict,
+    slots: Any = None,
 ) -> list[Chunk]:
     """Write one data file; each pair is (a WriteItem, or (fqn, shape) in the direct path)."""
     path = os.path.join(directory, name)
-    placed, size = _direct.write_chunks(path, pairs)
+    write = _direct.write_chunks if slots is None else slots.write_chunks
+    placed, size = write(path, pairs)
     chunks = []
     for key, offset, nbytes, digest in placed:
         if isinstance(key, tuple):
@@ -127,11 +149,12 @@ def write_tensors(
     rank. Collective when a process group is initialized: every rank calls it."""
     from .. import _dist
 
+    slots = getattr(_local, "slots", None)
     if not _dist.active() and all(
         type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors.values()
     ):
-        return _write_direct(directory, tensors)
-    writer = TensorWriter(directory)
+        return _write_direct(directory, tensors, slots)
+    writer = TensorWriter(directory, slots)
     with _dcp_call():
         dcp.save(
             dict(tensors), storage_writer=writer, process_group=group, no_dist=not _dist.active()
@@ -140,11 +163,11 @@ def write_tensors(
 
 
 def _write_direct(
-    directory: str, tensors: Mapping[str, torch.Tensor]
+    directory: str, tensors: Mapping[str, torch.Tensor], slots: Any = None
 ) -> dict[str, tuple[int, str]]:
     records: dict[str, tuple[int, str]] = {}
     pairs = [((k, (0,) * t.dim(), tuple(t.shape)), t) for k, t in tensors.items()]
-    chunks = _write_file(directory, _format.data_file(0), pairs, records)
+    chunks = _write_file(directory, _format.data_file(0), pairs, records, slots)
     doc = _format.document(
         {c.fqn: _format.entry_doc(tensors[c.fqn].dtype, c.sizes, [c]) for c in chunks}
     )
