@@ -12,7 +12,6 @@ import shutil
 import signal
 import sys
 import traceback
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -144,11 +143,12 @@ def transients(run: str) -> list[str]:
 
 
 def latest(store: CheckpointStore) -> tuple[CheckpointReader | None, list[str]]:
-    """``store.latest()`` and the warnings it gave."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    """``store.latest()`` and the warnings it logged."""
+    from tests._logs import logged  # not at the top: this file also runs as a script
+
+    with logged() as caught:
         r = store.latest()
-    return r, [str(w.message) for w in caught]
+    return r, caught
 
 
 # ---- faults -----------------------------------------------------------------------------------

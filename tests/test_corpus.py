@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 import unbroken
+from tests._logs import logged, logs_match
 from tests.golden import ROOT, assert_identical, launch, run_interrupted
 from unbroken import DataError
 from unbroken.data import CharVocab, EpochOrder, TextCorpus, TokenBatchLoader, WordVocab
@@ -86,27 +86,27 @@ def test_index_is_built_once_reused_and_rebuilt_when_the_file_changes(tmp_path):
     assert first.rebuilt == [path]
     assert os.path.exists(path + ".unbroken-index.npy")
     assert os.path.exists(path + ".unbroken-index.json")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a valid index is reused silently
+    with logged() as said:
         again = TextCorpus(path)
+    assert said == []  # a valid index is reused silently
     assert again.rebuilt == [] and again.fingerprint == first.fingerprint
     assert isinstance(again.files[0].offsets, np.memmap)  # loaded, not rebuilt
     # Same size, new content: the head checksum differs.
     text = Path(path).read_text()
     Path(path).write_text(text.replace("alpha", "ALPHA", 1))
-    with pytest.warns(UserWarning, match="changed since its index was built"):
+    with logs_match("changed since its index was built"):
         changed = TextCorpus(path)
     assert changed.rebuilt == [path] and changed.fingerprint != first.fingerprint
     assert changed[0] == tuple(Path(path).read_text().splitlines()[:1])
     # Touched only: the index is rebuilt, but the content (and the fingerprint) is the same.
     os.utime(path, ns=(1, 1))
-    with pytest.warns(UserWarning, match="mtime_ns"):
+    with logs_match("mtime_ns"):
         touched = TextCorpus(path)
     assert touched.fingerprint == changed.fingerprint
     # A damaged index is rebuilt, not trusted.
     with open(path + ".unbroken-index.npy", "r+b") as f:
         f.truncate(100)
-    with pytest.warns(UserWarning, match="is unreadable; rebuilding"):
+    with logs_match("is unreadable; rebuilding"):
         repaired = TextCorpus(path)
     assert repaired.rebuilt == [path] and repaired[-1] == touched[-1]
 
@@ -141,7 +141,7 @@ def test_index_goes_to_cache_dir_or_memory_when_it_cannot_be_written(tmp_path):
     assert TextCorpus(path, cache_dir=cache).rebuilt == []
     # The index's place is taken by a directory: it cannot be written; kept in memory instead.
     os.mkdir(path + ".unbroken-index.npy")
-    with pytest.warns(UserWarning, match="keeping it in memory"):
+    with logs_match("keeping it in memory"):
         mem = TextCorpus(path)
     assert mem[5] == corpus[5] and mem.files[0].in_memory
 
@@ -381,14 +381,14 @@ def test_a_changed_corpus_refuses_the_saved_position_or_restarts_the_epoch(tmp_p
     state = loader.state_dict()
     assert state["epoch"] == 1 and state["fingerprint"] == corpus.fingerprint
     write(src, sentences(80, 9))  # edited in place
-    with pytest.warns(UserWarning, match="rebuilding the index"):
+    with logs_match("rebuilding the index"):
         edited = TextCorpus(src, tokenize=str.split)
     with pytest.raises(DataError, match="corpus changed.*restart_epoch_on_change=True"):
         TokenBatchLoader(edited, 30, window=16, seed=0).load_state_dict(state)
     with pytest.raises(DataError, match="changed since the checkpoint"):
         edited.load_state_dict(corpus.state_dict())  # the corpus as a Run component
     restart = TokenBatchLoader(edited, 30, window=16, seed=0, restart_epoch_on_change=True)
-    with pytest.warns(UserWarning, match="restarting epoch 1 from its start"):
+    with logs_match("restarting epoch 1 from its start"):
         restart.load_state_dict(state)
     fresh = TokenBatchLoader(edited, 30, window=16, seed=0)
     fresh.set_epoch(1)
@@ -414,7 +414,7 @@ def test_a_run_refuses_to_resume_on_a_changed_corpus(tmp_path):
 
     launch_run(TextCorpus(src, tokenize=str.split))
     write(src, sentences(40, 2))
-    with pytest.warns(UserWarning, match="rebuilding"), pytest.raises(DataError, match="changed"):
+    with logs_match("rebuilding"), pytest.raises(DataError, match="changed"):
         launch_run(TextCorpus(src, tokenize=str.split))
 
 

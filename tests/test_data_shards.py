@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import unbroken
+from tests._logs import logs_match
 from tests.golden import ROOT
 from unbroken import ConfigError, DataError
 from unbroken.data import (
@@ -141,7 +142,7 @@ def test_a_changed_shard_list_is_refused_naming_the_file(files: list[str], tmp_p
             DataLoader(JsonlShards(now), 4, seed=0).load_state_dict(state)
     with open(files[1], "a", encoding="utf-8") as f:
         f.write(json.dumps({"v": 999}) + "\n")
-    with pytest.warns(UserWarning, match=r"s1\.jsonl changed since its index was built"):
+    with logs_match(r"s1\.jsonl changed since its index was built"):
         changed = JsonlShards(files)  # the index is rebuilt, and says so
     with pytest.raises(DataError, match=r"s1\.jsonl changed size since the save"):
         DataLoader(changed, 4, seed=0).load_state_dict(state)
@@ -151,12 +152,12 @@ def test_same_size_edit_and_reorder_are_refused(files: list[str]) -> None:
     state = _saved(files)
     text = Path(files[2]).read_text()
     Path(files[2]).write_text(text.replace("200", "299"))
-    with pytest.warns(UserWarning, match=r"s2\.jsonl changed since its index was built"):
+    with logs_match(r"s2\.jsonl changed since its index was built"):
         edited = JsonlShards(files)
     with pytest.raises(DataError, match=r"s2\.jsonl changed content"):
         DataLoader(edited, 4, seed=0).load_state_dict(state)
     Path(files[2]).write_text(text)
-    with pytest.warns(UserWarning, match=r"s2\.jsonl changed since its index was built"):
+    with logs_match(r"s2\.jsonl changed since its index was built"):
         reordered = JsonlShards(files[::-1])
     with pytest.raises(DataError, match="reordered"):
         DataLoader(reordered, 4, seed=0).load_state_dict(state)

@@ -13,7 +13,6 @@ import re
 import signal
 import time
 import types
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 import unbroken
+from tests._logs import logged
 from tests.test_run_signals import Child
 from unbroken import (
     EMA,
@@ -281,14 +281,16 @@ def _slow_steps(run: Run, seconds: float = 0.05, limit: int = 200) -> None:
     raise AssertionError(f"the run did not stop within {limit} steps")
 
 
-def test_time_limit_saves_and_exits_75_before_the_budget(tmp_path, runs, capsys, monkeypatch):
+def test_time_limit_saves_and_exits_75_before_the_budget(tmp_path, runs, monkeypatch):
     d = tmp_path / "run"
     start = time.time()
     # The budget counts from the process's start (tests/test_hardening_signals.py checks that
     # in a fresh process); this long-lived test process starts it now instead.
     monkeypatch.setattr("unbroken.train._run.process_start", lambda: start)
     run = runs(d, **_net(), time_limit=1.5, time_margin=0.5)
-    with pytest.raises(SystemExit) as ei:
+    # The stop is a WARNING record (stderr through logging.lastResort in a plain process:
+    # tests/test_run_signals.py and tests/test_logging.py read it there).
+    with logged() as said, pytest.raises(SystemExit) as ei:
         _slow_steps(run)
     assert ei.value.code == unbroken.EXIT_RESUMABLE == 75
     assert time.time() < start + 1.5, "stopped after the budget ended"
@@ -296,7 +298,7 @@ def test_time_limit_saves_and_exits_75_before_the_budget(tmp_path, runs, capsys,
     assert stop >= 5, f"stopped at step {stop}, long before the budget required"
     assert _steps(d) == [stop]
     assert _counters(d, stop)["complete"] is False
-    err = capsys.readouterr().err
+    err = "\n".join(said)
     assert f"stopped at step {stop} (time limit)" in err and "relaunch" in err
     events = [m for m in read_metrics(str(d), events=True) if "event" in m]
     assert events[-1]["event"] == "stop" and events[-1]["reason"] == "time limit"
@@ -305,17 +307,17 @@ def test_time_limit_saves_and_exits_75_before_the_budget(tmp_path, runs, capsys,
     assert runs(d, **_net()).resumed_from == stop
 
 
-def test_slurm_job_end_time_is_a_deadline(tmp_path, runs, monkeypatch, capsys):
+def test_slurm_job_end_time_is_a_deadline(tmp_path, runs, monkeypatch):
     end = math.ceil(time.time()) + 1
     monkeypatch.setenv("SLURM_JOB_END_TIME", str(end))
     d = tmp_path / "run"
     run = runs(d, **_net(), time_margin=0.3)
-    with pytest.raises(SystemExit) as ei:
+    with logged() as said, pytest.raises(SystemExit) as ei:
         _slow_steps(run)
     assert ei.value.code == 75
     assert time.time() < end
     assert _steps(d) == [run.counters.step]
-    assert "(time limit)" in capsys.readouterr().err
+    assert any("(time limit)" in m for m in said), said
 
 
 def test_finish_saves_a_final_checkpoint_and_releases_the_lock(tmp_path, runs):
@@ -356,8 +358,9 @@ def test_resume_from_an_explicit_step_moves_newer_checkpoints_aside(tmp_path, ru
         first.step(loss=1.0)
     first.finish()
     assert _steps(d) == [2, 4, 6, 8]
-    with pytest.warns(UserWarning, match="moved aside"):
+    with logged() as said:
         run = runs(d, **_net(), save_every=2, keep_last=None, resume=4)
+    assert any("moved aside" in m for m in said), said
     assert run.resumed_from == 4 and run.counters.step == 4 and not run.done
     aside = sorted(n for n in os.listdir(d / "checkpoints") if n.startswith("superseded-"))
     assert [n.split("-")[2] for n in aside] == ["000000006", "000000008"]
@@ -739,11 +742,10 @@ def test_second_run_in_another_process_gets_a_lock_error_naming_the_holder(tmp_p
         assert str(d) in str(ei.value)
         os.kill(holder.pid, signal.SIGKILL)
         assert holder.finish() == -signal.SIGKILL
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with logged() as caught:
         run = Run(d, model=torch.nn.Linear(1, 1), progress=False)
     run.close()
-    assert any(f"pid {holder.pid}" in str(w.message) for w in caught)
+    assert any(f"pid {holder.pid}" in m for m in caught), caught
 
 
 def test_second_run_in_the_same_process_gets_a_lock_error(tmp_path, runs):
@@ -766,10 +768,11 @@ def test_a_missing_rank_state_is_an_error_not_a_new_rank(tmp_path: Path) -> None
     m["files"].pop("rank-00000.json")
     write_manifest_raw(str(ckpt), m)
     with (
-        pytest.warns(UserWarning, match="does not list rank-00000.json"),
+        logged() as said,
         pytest.raises(unbroken.CorruptCheckpointError, match="none of the 1 checkpoint"),
     ):
         unbroken.CheckpointStore(str(tmp_path)).latest()
+    assert any("does not list rank-00000.json" in m for m in said), said
     # The run's own check, should a reader get past the store's.
     reader = unbroken.CheckpointReader(str(ckpt))
     run = Run(tmp_path / "other", model=torch.nn.Linear(2, 2), progress=False)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import warnings
 
 import pytest
 
+from tests._logs import logged
 from tests._store_helpers import (
     assert_same,
     ckpt,
@@ -159,11 +159,8 @@ def test_every_checkpoint_corrupt_is_an_error_naming_each(run):
     run, _ = run
     flip(os.path.join(ckpt(run, 1), "tensors-r00000.bin"))
     truncate(os.path.join(ckpt(run, 2), "state.json"))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with pytest.raises(CorruptCheckpointError) as ei:
-            CheckpointStore(run).latest()
-    warned = [str(w.message) for w in caught]
+    with logged() as warned, pytest.raises(CorruptCheckpointError) as ei:
+        CheckpointStore(run).latest()
     assert len(warned) == 2
     assert ckpt(run, 2) in warned[0] and ckpt(run, 1) in warned[1]
     msg = str(ei.value)

@@ -16,10 +16,10 @@ import json
 import os
 import subprocess
 import sys
-import warnings
 
 import pytest
 
+from tests._logs import logged
 from tests._store_helpers import REPO, assert_same, latest, load_snapshot, restore, transients
 from unbroken.store import CheckpointStore, Retention, WriterLock
 
@@ -76,11 +76,9 @@ def test_start_up_after_each_kill_finds_a_complete_checkpoint(sweeps, scenario):
     for res in sweep["kills"]:
         k, run = res["k"], res["run"]
         lock = WriterLock(run)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with logged() as took_over:
             lock.acquire()
         try:
-            took_over = [str(w.message) for w in caught]
             assert any(f"pid {res['pid']}" in m for m in took_over), (k, took_over)
             store = CheckpointStore(run, Retention(keep_last=1))
             store.clean_stale()

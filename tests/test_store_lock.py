@@ -7,10 +7,10 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 
 import pytest
 
+from tests._logs import logged
 from tests._store_helpers import REPO
 from unbroken import LockError
 from unbroken.store import WriterLock
@@ -45,12 +45,10 @@ def test_second_writer_fails_fast_then_takes_over_from_a_killed_holder(tmp_path)
     assert holder.returncode == -signal.SIGKILL
 
     lock = WriterLock(run)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with logged() as msgs:
         lock.acquire()
     try:
         assert lock.held
-        msgs = [str(w.message) for w in caught]
         assert any("took over" in m and f"pid {holder.pid}" in m for m in msgs), msgs
         assert lock.previous is not None and lock.previous["pid"] == holder.pid
     finally:
@@ -68,7 +66,7 @@ def test_same_process_second_lock_fails_and_release_is_clean(tmp_path):
         first.release()
     assert not first.held
     again = WriterLock(run)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a cleanly released lock is no takeover
+    with logged() as said:
         again.acquire()
     again.release()
+    assert said == []  # a cleanly released lock is no takeover

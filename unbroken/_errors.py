@@ -5,6 +5,7 @@ to which path or component, and what to do next::
 
     UnbrokenError
     ├── ConfigError (also ValueError)        a bad argument or option
+    │   └── ConfigTypeError (also TypeError)  an option of the wrong type
     ├── StateError                           tracked state and checkpoint disagree
     ├── DataError                            a loader cannot continue its saved position
     ├── LockError                            another process writes this run directory
@@ -14,9 +15,12 @@ to which path or component, and what to do next::
         ├── UnsafeCheckpointError            a file would execute code or escapes the directory
         └── CheckpointWriteError             a write failed (ENOSPC, EIO, EACCES, EROFS, ...)
 
-Checkpoint errors carry ``errno``, ``path`` (alias ``filename``, as on ``OSError``) and
-``step`` where known (else None): a write error's are those of the innermost ``OSError``
-behind it (:func:`root_oserror`), so a full disk reads as ENOSPC on the file being written.
+    ResumeWarning (a UserWarning)            the script would resume inexactly, as written
+
+Every error carries ``path`` and ``step`` where known (else None); checkpoint errors also
+``errno`` and ``filename`` (an alias of ``path``, as on ``OSError``): a write error's are
+those of the innermost ``OSError`` behind it (:func:`root_oserror`), so a full disk reads as
+ENOSPC on the file being written.
 """
 
 from __future__ import annotations
@@ -25,15 +29,36 @@ from typing import Any
 
 
 class UnbrokenError(Exception):
-    """Base class of every error unbroken raises on purpose."""
+    """Base class of every error unbroken raises on purpose. ``path`` and ``step`` name the
+    file or directory and the checkpoint step it concerns, where known (else None)."""
+
+    path: str | None = None
+    step: int | None = None
+
+    def __init__(self, *args: Any, path: str | None = None, step: int | None = None) -> None:
+        super().__init__(*args)
+        self.path = path
+        self.step = step
 
 
 class ConfigError(UnbrokenError, ValueError):
     """An argument or option is invalid; the message names it."""
 
 
+class ConfigTypeError(ConfigError, TypeError):
+    """An option or argument has the wrong type (``save_every="10"``); the message names the
+    option and the type it takes."""
+
+
 class StateError(UnbrokenError):
     """The tracked components and a checkpoint disagree (missing, unexpected, reshaped)."""
+
+
+class ResumeWarning(UserWarning):
+    """The script does something that makes a resumed run diverge from an uninterrupted one
+    (a parameter no tracked module owns, random draws between ``Run()`` and the loop); the
+    message names it and the fix. ``warnings.simplefilter("error", unbroken.ResumeWarning)``
+    turns every such finding into an exception."""
 
 
 class DataError(UnbrokenError):
@@ -54,10 +79,8 @@ class CheckpointError(UnbrokenError):
         path: str | None = None,
         step: int | None = None,
     ) -> None:
-        super().__init__(*args)
+        super().__init__(*args, path=path, step=step)
         self.errno = errno
-        self.path = path
-        self.step = step
 
     @property
     def filename(self) -> str | None:

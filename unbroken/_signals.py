@@ -17,17 +17,25 @@ SIGUSR1, or its SIGTERM notifier) is chained for SIGTERM and SIGUSR1: it is call
 stop is recorded, and ours then leaves the exit to it. ``SIG_DFL``, ``SIG_IGN`` and Python's
 ``default_int_handler`` are not chained. Processes forked from ours (DataLoader workers) get the
 default action rather than a flag nobody reads.
+
+A process that exits 75 here (not training) leaves a stop marker for its launcher
+(:mod:`unbroken._stops`), as ``Run`` does after a stop's save. Under torchrun, importing this
+module also asks for a SIGTERM when the rank's parent, the torchrun agent, dies
+(:func:`follow_launcher`), so a ``kill -9`` of the agent stops its ranks as a preemption would.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
 import threading
 import time
 from types import FrameType
 from typing import Any
 
+from . import _stops
 from ._exit import EXIT_RESUMABLE
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -169,4 +177,27 @@ def _handle(signum: int, frame: FrameType | None) -> None:
             os.write(2, msg.encode())
         except OSError:
             pass
+        _stops.record(None, f"{name} while not training")
         raise SystemExit(EXIT_RESUMABLE)
+
+
+def follow_launcher() -> None:
+    """Under torchrun: SIGTERM this rank when the agent that started it dies (Linux
+    ``PR_SET_PDEATHSIG``). torchrun starts each rank in a session of its own, so a ``kill -9``
+    of the agent would leave the ranks training on as orphans, holding the run's lock and the
+    master port; with this every rank gets a stop at once and they stop together as on a
+    preemption: save, exit 75. Called when ``unbroken`` is imported."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)  # the agent died before the line above took effect
+
+
+follow_launcher()

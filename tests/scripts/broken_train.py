@@ -3,7 +3,8 @@
     --bug none        everything tracked: resumes exactly
     --bug generator   input noise from a torch.Generator that is not passed to Run
     --bug scheduler   an LR scheduler that is not passed to Run
-    --bug loader      a plain torch DataLoader (shuffle=True): not resumable
+    --bug loader      a plain torch DataLoader (shuffle=True): not resumable; iterated inside
+                      run.epochs(), where Run cannot see it (run.loop() refuses it at once)
     --bug dropout     dropout masks from a torch.Generator that is not passed to Run
     --bug shuffle     the dataset shuffles itself with an unseeded NumPy generator, ignoring the
                       loader's seed: no two launches see the same data, interrupted or not
@@ -61,7 +62,7 @@ def main() -> None:
     run = unbroken.Run(
         a.run_dir, **comps, save_every=a.save_every, max_steps=a.steps, progress=False
     )
-    for x, y in run.loop(loader):
+    for x, y in _batches(run, loader, a.bug == "loader"):
         x = x + 0.1 * torch.randn(x.shape, generator=noise)
         h = model[1](model[0](x))
         mask = (torch.rand(h.shape, generator=drop) > 0.25).float() / 0.75
@@ -71,6 +72,17 @@ def main() -> None:
         opt.step()
         sched.step()
         run.step(loss=loss.item(), lr=sched.get_last_lr()[0])
+
+
+def _batches(run: unbroken.Run, loader: object, hidden: bool):
+    if not hidden:
+        yield from run.loop(loader)
+        return
+    for _epoch in run.epochs(10**6):
+        for batch in loader:  # type: ignore[attr-defined]
+            yield batch
+            if run.done:
+                break
 
 
 if __name__ == "__main__":

@@ -1,23 +1,21 @@
 """``unbroken demo``: train the char-level LM twice -- once straight through, once while being
-killed (SIGKILL and SIGTERM at random moments) and relaunched -- and compare the two, bit for bit.
+killed (SIGKILL and SIGTERM at random moments, one SIGKILL inside a save) and relaunched -- and
+compare the two, bit for bit. The killing, relaunching and comparing are
+:func:`unbroken.verify_resume`'s (what ``unbroken verify`` runs on your own script); the demo
+adds a table, the example's exported weights compared, and a PNG of both loss curves.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
-import shutil
-import signal
-import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._exit import EXIT_FAILURE, EXIT_OK, EXIT_RESUMABLE
-from .._logfile import last_logged_step, read_metrics
+from .._errors import ConfigError
+from .._exit import EXIT_FAILURE, EXIT_OK
+from .._logfile import read_metrics
 
 
 def default_script() -> Path:
@@ -32,21 +30,6 @@ def default_script() -> Path:
         if candidate.is_file():
             return candidate
     return Path(__file__).resolve().parents[2] / "examples" / "char_lm.py"
-
-
-@dataclass
-class Attempt:
-    signal: str
-    target_step: int
-    exit_code: int
-    seconds: float
-    resumed_from: int | None
-
-
-@dataclass
-class Outcome:
-    seconds: float = 0.0
-    attempts: list[Attempt] = field(default_factory=list)
 
 
 def register(sub: Any) -> None:
@@ -66,6 +49,8 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..verify import PLACEHOLDER, VerifyError, verify_resume
+
     script = Path(args.script) if args.script else default_script()
     if not script.is_file():
         print(
@@ -76,76 +61,47 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     print(f"script: {script}", flush=True)
     out = Path(args.out)
-    ref_dir, int_dir = out / "uninterrupted", out / "interrupted"
-    for d in (ref_dir, int_dir):
-        shutil.rmtree(d, ignore_errors=True)
-    common = ["--steps", str(args.steps), "--save-every", str(args.save_every)]
-    print(f"[1/3] uninterrupted run of {args.steps} steps -> {ref_dir}", flush=True)
-    ref = _train(script, common, ref_dir, [])
-    rng = random.Random(args.seed)
-    kills = max(0, min(args.kills, args.steps - 2))
-    targets = sorted(rng.sample(range(1, args.steps - 1), kills))
-    plan = [(t, "KILL" if i % 2 == 0 else "TERM") for i, t in enumerate(targets)]
+    cmd = [sys.executable, str(script), "--run-dir", PLACEHOLDER]
+    cmd += ["--steps", str(args.steps), "--save-every", str(args.save_every)]
     print(
-        f"[2/3] interrupted run: {', '.join(f'SIG{s} at step ~{t}' for t, s in plan)}", flush=True
+        f"training {args.steps} steps twice in {out}: straight through (reference/), then "
+        f"interrupted {max(0, args.kills)} time(s) and relaunched (interrupted/)",
+        flush=True,
     )
-    inter = _train(script, common, int_dir, plan)
-    print("[3/3] comparing", flush=True)
-    report = compare(ref_dir, int_dir)
-    _print_table(report, ref, inter)
+    try:
+        report = verify_resume(
+            cmd,
+            interrupts=max(0, args.kills),
+            seed=args.seed,
+            work_dir=out,
+            keep=True,
+            progress=lambda msg: print(f"      {msg}", flush=True),
+        )
+    except (ConfigError, VerifyError) as e:
+        print(f"unbroken demo: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    ref_dir, int_dir = out / "reference", out / "interrupted"
+    summary = {**final_weights(ref_dir, int_dir), **_losses(ref_dir, int_dir)}
+    equal = summary["same_keys"] and summary["tensors_equal"] == summary["tensors"]
+    summary["identical"] = report.passed and equal
+    _print_table(summary, report)
     if not args.no_plot:
         png = plot(ref_dir, int_dir, out / "demo.png")
         print(f"loss curves: {png}" if png else "loss curves: matplotlib not installed, skipped")
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    return EXIT_OK if report["identical"] else EXIT_FAILURE
+    summary["verify"] = report.as_dict()
+    (out / "report.json").write_text(json.dumps(summary, indent=2))
+    return EXIT_OK if summary["identical"] else EXIT_FAILURE
 
 
-def _train(script: Path, common: list[str], run_dir: Path, plan: list[tuple[int, str]]) -> Outcome:
-    outcome = Outcome()
-    t0 = time.perf_counter()
-    cmd = [sys.executable, str(script), *common, "--run-dir", str(run_dir)]
-    for target, sig in [*plan, (0, "")]:
-        a0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        if sig:
-            _wait_for_step(run_dir, target, proc)
-            if proc.poll() is None:
-                proc.send_signal(getattr(signal, "SIG" + sig))
-        out, err = proc.communicate()
-        code = proc.returncode
-        resumed = next(
-            (int(line.split()[-1]) for line in out.splitlines() if line.startswith("resumed from")),
-            None,
-        )
-        outcome.attempts.append(
-            Attempt(sig or "-", target, code, time.perf_counter() - a0, resumed)
-        )
-        expected = {"KILL": -signal.SIGKILL, "TERM": EXIT_RESUMABLE, "": 0}[sig]
-        if code != expected and not (sig and code == 0):
-            raise SystemExit(f"unbroken demo: training exited {code} unexpectedly:\n{err[-3000:]}")
-        label = "completed" if code == 0 else f"exit {code}"
-        origin = "fresh start" if resumed is None else f"resumed at step {resumed}"
-        at = last_logged_step(run_dir)
-        print(f"      launch {len(outcome.attempts)}: {origin}, {label} at step {at}", flush=True)
-    outcome.seconds = time.perf_counter() - t0
-    return outcome
-
-
-def _wait_for_step(run_dir: Path, target: int, proc: subprocess.Popen[str]) -> None:
-    while proc.poll() is None and last_logged_step(run_dir) < target:
-        time.sleep(0.05)
-
-
-def compare(ref_dir: Path, other_dir: Path) -> dict[str, Any]:
-    """Weights (model and EMA) and per-step losses of two char_lm runs."""
+def final_weights(ref_dir: Path, other_dir: Path) -> dict[str, Any]:
+    """The example's exported model and EMA weights (``final.safetensors``) of both runs:
+    verify compared the checkpoints; this is the file a user would ship."""
     import torch
     from safetensors.torch import load_file
 
     a = load_file(str(ref_dir / "final.safetensors"))
     b = load_file(str(other_dir / "final.safetensors"))
-    same_keys = a.keys() == b.keys()
-    max_diff = 0.0
-    equal = 0
+    max_diff, equal = 0.0, 0
     for k in a.keys() & b.keys():
         if torch.equal(a[k], b[k]):
             equal += 1
@@ -153,18 +109,21 @@ def compare(ref_dir: Path, other_dir: Path) -> dict[str, Any]:
             max_diff = max(max_diff, (a[k].double() - b[k].double()).abs().max().item())
         else:
             max_diff = float("inf")
-    ta, tb = _trace(ref_dir), _trace(other_dir)
-    losses_equal = [r["loss"] for r in ta] == [r["loss"] for r in tb]
-    samples_equal = [r["samples"] for r in ta] == [r["samples"] for r in tb]
+    same_keys = a.keys() == b.keys()
     return {
         "tensors": len(a),
         "tensors_equal": equal,
         "max_abs_diff": max_diff,
+        "same_keys": same_keys,
+    }
+
+
+def _losses(ref_dir: Path, other_dir: Path) -> dict[str, Any]:
+    ta, tb = _trace(ref_dir), _trace(other_dir)
+    return {
         "steps": [len(ta), len(tb)],
-        "losses_identical": losses_equal,
-        "samples_identical": samples_equal,
         "final_loss": [ta[-1]["loss"] if ta else None, tb[-1]["loss"] if tb else None],
-        "identical": same_keys and equal == len(a) and losses_equal and samples_equal,
+        "losses_identical": [r["loss"] for r in ta] == [r["loss"] for r in tb],
     }
 
 
@@ -177,37 +136,45 @@ def _events(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in read_metrics(run_dir, events=True) if "event" in r]
 
 
-def _print_table(r: dict[str, Any], ref: Outcome, inter: Outcome) -> None:
-    kinds = [a.signal for a in inter.attempts if a.signal != "-"]
+def _print_table(r: dict[str, Any], report: Any) -> None:
+    kills = [i for i in report.interruptions if i.exit_code != 0]  # not those that came late
+    signals = [i.signal for i in kills]
+    saves = sum(i.during_save for i in kills)
+    seconds = report.seconds
     rows = [
         ("optimizer steps", r["steps"][0], r["steps"][1]),
         (
             "launches",
-            len(ref.attempts),
-            f"{len(inter.attempts)} ({kinds.count('KILL')} SIGKILL, {kinds.count('TERM')} SIGTERM)",
+            1,
+            f"{report.launches} ({signals.count('SIGKILL')} SIGKILL, "
+            f"{signals.count('SIGTERM')} SIGTERM; {saves} during a save)",
         ),
         (
             "resumed from step",
             "-",
-            ", ".join(
-                "fresh" if a.resumed_from is None else str(a.resumed_from)
-                for a in inter.attempts[1:]
-            )
-            or "-",
+            ", ".join("fresh" if s == 0 else str(s) for s in report.resumed_from) or "-",
         ),
         ("final loss", f"{r['final_loss'][0]:.6f}", f"{r['final_loss'][1]:.6f}"),
+        ("checkpoints compared", "-", ", ".join(map(str, report.checkpoints_compared)) or "-"),
         ("max |delta param|", "-", f"{r['max_abs_diff']:g}"),
         ("tensors bitwise equal", "-", f"{r['tensors_equal']}/{r['tensors']}"),
         ("losses identical", "-", "yes" if r["losses_identical"] else "NO"),
-        ("samples identical", "-", "yes" if r["samples_identical"] else "NO"),
-        ("wall time", f"{ref.seconds:.0f} s", f"{inter.seconds:.0f} s"),
+        (
+            "wall time",
+            f"{seconds.get('reference', 0):.0f} s",
+            f"{seconds.get('interrupted', 0):.0f} s",
+        ),
     ]
     print()
     print(f"{'':24}{'uninterrupted':>16}   {'interrupted + resumed'}")
     for name, x, y in rows:
         print(f"{name:24}{x!s:>16}   {y}")
     print()
-    print("RESULT: bit-for-bit identical" if r["identical"] else "RESULT: runs DIFFER")
+    if r["identical"]:
+        print("RESULT: bit-for-bit identical")
+    else:
+        print("RESULT: runs DIFFER")
+        print(report.summary())
 
 
 def plot(ref_dir: Path, other_dir: Path, png: Path) -> Path | None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
 import time
-import warnings
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -204,14 +204,30 @@ def _open(path: str, step: int | None, *, checksums: bool) -> CheckpointReader:
     store = CheckpointStore(path)
     if step is not None:
         return store.open(step, checksums=checksums)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    # The fallback past an unusable checkpoint is a log record (unbroken/_log.py); a tool says it
+    # on stderr whatever logging is configured, so it is collected here and printed.
+    caught = _Collect()
+    logger = logging.getLogger("unbroken")
+    logger.addHandler(caught)
+    try:
         found = store.latest(checksums=checksums)
-    for w in caught:
-        print(f"unbroken: warning: {w.message}", file=sys.stderr)
+    finally:
+        logger.removeHandler(caught)
+    for record in caught.records:
+        text = record.getMessage().removeprefix("unbroken: ")
+        print(f"unbroken: warning: {text}", file=sys.stderr)
     if found is None:
         raise CheckpointNotFoundError(f"no valid checkpoint in {store.root}")
     return found
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
 
 
 def describe(reader: CheckpointReader) -> dict[str, Any]:

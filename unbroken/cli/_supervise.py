@@ -16,6 +16,7 @@ from typing import Any
 
 from .. import _shm
 from .._exit import EXIT_FAILURE, EXIT_OK, EXIT_RESUMABLE, EXIT_USAGE
+from . import _job
 
 # Stop signals: the supervisor passes each on to the child and then relaunches nothing.
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
@@ -35,10 +36,16 @@ DESCRIPTION = """Run CMD and keep it running until it finishes.
                     exits 75 or ran longer than --reset-after seconds
 
 Every relaunch counts toward --max-restarts. SIGTERM, SIGINT, SIGUSR1 and SIGHUP are
-forwarded to CMD, which should save and exit 75; after a stop signal nothing is relaunched
-(under SLURM the job is still requeued). Ctrl-C is not forwarded a second time when the
-terminal already delivered it to CMD. CMD sees UNBROKEN_ATTEMPT=<n> (1-based, per
+forwarded to CMD and every process under it that handles them -- under torchrun to every
+rank, not to torchrun itself -- which should save and exit 75; after a stop signal nothing is
+relaunched (under SLURM the job is still requeued). Ctrl-C is not forwarded a second time to
+processes the terminal already delivered it to. CMD sees UNBROKEN_ATTEMPT=<n> (1-based, per
 supervisor) and UNBROKEN_SUPERVISED=1.
+
+Launchers (torchrun): when every rank saved and stopped, the attempt is resumable whatever
+CMD's exit code (torchrun exits 1); each rank says so in UNBROKEN_STOP_DIR. Processes CMD
+leaves running (the ranks of a killed torchrun, still saving) are waited for, up to --grace
+seconds, before anything is relaunched.
 
 SLURM (SLURM_JOB_ID set, --no-requeue not given): the job requeued is
 ${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID} for array jobs, else SLURM_JOB_ID; if
@@ -131,7 +138,7 @@ def slurm_job_id(env: dict[str, str] | os._Environ[str]) -> str | None:
 class Supervisor:
     def __init__(self, args: argparse.Namespace, cmd: list[str]) -> None:
         self.a, self.cmd = args, cmd
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.launch: _job.Launch | None = None
         self.stop: int | None = None  # the first stop signal received
         self.forwarded = False  # whether the current child already got the stop signal
         self.received: list[str] = []  # the current attempt's signals, for the report
@@ -139,6 +146,7 @@ class Supervisor:
         self.tty: int | None = None
         # In-memory snapshots: the trainer writes them here; a crash loses at most one step.
         self.area: str | None = None if args.no_snapshots else _shm.supervisor_area()
+        self.stops = _job.stop_area()  # where each launch's ranks say they saved and stopped
 
     # -- signals ------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -148,27 +156,23 @@ class Supervisor:
         self.received.append(self._forward(signum))
 
     def _forward(self, signum: int) -> str:
-        name, proc = _signame(signum), self.proc
-        if proc is None:
+        name, launch = _signame(signum), self.launch
+        if launch is None:
             return f"{name}: no child running"  # remembering the stop is enough
         self.forwarded = True
-        if self._terminal_delivered(signum, proc.pid):
-            return f"{name}: sent by the terminal, not forwarded"
-        try:
-            proc.send_signal(signum)
-        except ProcessLookupError:
-            return f"{name}: child already gone"  # wait() will tell how it ended
-        return f"{name}: forwarded"
+        # Not only to CMD: to every rank under a launcher (torchrun's are in sessions of their
+        # own), as a scheduler signals the whole job; see _job.Launch.forward.
+        return launch.forward(signum, self._terminal_pgrp(signum))
 
-    def _terminal_delivered(self, signum: int, pid: int) -> bool:
+    def _terminal_pgrp(self, signum: int) -> int | None:
         # Ctrl-C reaches the terminal's whole foreground process group, child included; a
         # second copy from us would look like "press again to abort" to many trainers.
         if signum != signal.SIGINT or self.tty is None:
-            return False
+            return None
         try:
-            return os.tcgetpgrp(self.tty) == os.getpgid(pid)
+            return os.tcgetpgrp(self.tty)
         except OSError:
-            return False
+            return None
 
     # -- the loop -----------------------------------------------------------------------
     def run(self) -> tuple[int, str]:
@@ -183,7 +187,7 @@ class Supervisor:
             t0, wall0 = time.monotonic(), time.time()
             self.forwarded, self.received = False, []
             try:
-                self.proc = subprocess.Popen(self.cmd, env=env)
+                self.launch = _job.Launch(self.cmd, env, self.stops, n)
             except OSError as e:
                 self.attempts.append(Attempt(n, wall0, 0.0, None, None, "not-started", "give-up"))
                 return EXIT_FAILURE, f"could not start {self.cmd[0]!r}: {e.strerror or e}"
@@ -191,11 +195,15 @@ class Supervisor:
                 # The signal landed while Popen was forking, before the handler saw the child.
                 # Its "no child running" entry is replaced by what happens now.
                 self.received[-1:] = [self._forward(self.stop)]
-            rc = self.proc.wait()
-            self.proc = None
+            launch = self.launch
+            rc = launch.proc.wait()
+            # What CMD left running (ranks of a killed launcher, still saving) is part of this
+            # attempt: the next one must not start beside it. Signals still reach it meanwhile.
+            stopped, left_note = launch.settle(rc, a.grace)
+            self.launch = None
             dur = time.monotonic() - t0
             sig = _signame(-rc) if rc < 0 else None
-            att = Attempt(n, wall0, round(dur, 3), None if sig else rc, sig, "crash", "")
+            att = Attempt(n, wall0, round(dur, 3), None if sig else rc, sig, "crash", left_note)
             att.signals = self.received  # the same list: later (between-attempt) ones land too
             self.attempts.append(att)
             code = rc if rc > 0 else EXIT_FAILURE  # what a crash ending here exits with
@@ -203,8 +211,16 @@ class Supervisor:
             if rc == EXIT_OK:
                 att.status, att.action = "ok", "done"
                 return EXIT_OK, "finished"
+            if stopped is not None and rc != EXIT_RESUMABLE:
+                # torchrun exits 1 when its ranks exit 75: the ranks' markers tell the truth.
+                att.note = "; ".join(filter(None, [left_note, f"{stopped}: resumable"]))
+                rc = EXIT_RESUMABLE
+            elif rc > 0 and rc != EXIT_RESUMABLE and launch.unhandled:
+                # The stop reached ranks behind a launcher before they handled signals.
+                att.note = "stop signal before the ranks handled signals (start-up): resumable"
+                rc = EXIT_RESUMABLE
             if rc != EXIT_RESUMABLE:
-                att.note = self._persist_snapshot()
+                att.note = "; ".join(filter(None, [left_note, self._persist_snapshot()]))
             if self._killed_before_handling(rc):
                 # Killed by a stop signal it had no handler for yet (still importing, or not
                 # a script that handles signals): it was not training, nothing was lost.
@@ -316,6 +332,14 @@ def register(subparsers: Any) -> None:
     )
     for flag, kind, default, metavar, text in NUMERIC_OPTIONS:
         p.add_argument(flag, type=_nonneg(kind), default=default, metavar=metavar, help=text)
+    p.add_argument(
+        "--grace",
+        type=_nonneg(float),
+        default=300.0,
+        metavar="SEC",
+        help="after CMD fails, how long the processes it left running (ranks of a killed "
+        "launcher, still saving) may take to stop before they are killed (default 300)",
+    )
     p.add_argument("--no-requeue", action="store_true", help="under SLURM, relaunch in place")
     p.add_argument(
         "--no-snapshots",
@@ -360,8 +384,11 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(s, h)
         if sup.tty is not None:
             os.close(sup.tty)
+        if sup.launch is not None:
+            sup.launch.kill()  # the supervisor failed itself: leave no rank behind
         if sup.area is not None:
             _shm.discard(sup.area)
+        _job.discard(sup.stops)
     elapsed = time.monotonic() - t0
     restarts = max(len(sup.attempts) - 1, 0)
     if not args.quiet:

@@ -18,16 +18,19 @@ saved loader positions valid, while editing it does not.
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 import tempfile
-import warnings
 from typing import Any
 
 import numpy as np
 import xxhash
 
+from .. import _log
 from .._errors import DataError
+
+log = _log.get("data")
 
 INDEX_VERSION = 1
 HEAD_BYTES = 1 << 20
@@ -147,7 +150,7 @@ class LineIndex:
                 )
             else:
                 why = f"the index of {self.name} ({self.npy_path}) is unreadable; rebuilding it"
-            warnings.warn(why, stacklevel=4)
+            _log.event(log, logging.WARNING, "unbroken: %s", why, path=self.path)
         offsets, content = scan(self.path, self.name)
         meta = {
             "version": INDEX_VERSION,
@@ -192,11 +195,16 @@ class LineIndex:
             _atomic_write(self.json_path, lambda f: f.write(text))  # last: the commit point
         except OSError as e:
             self.in_memory = True
-            warnings.warn(
-                f"cannot write the index of {self.name} to {self.npy_path} ({e}); keeping it in "
-                "memory only, so it is rebuilt at every open -- pass cache_dir= to a writable "
-                "directory to keep it",
-                stacklevel=4,
+            _log.event(
+                log,
+                logging.WARNING,
+                "unbroken: cannot write the index of %s to %s (%s); keeping it in memory only, "
+                "so it is rebuilt at every open -- pass cache_dir= to a writable directory to "
+                "keep it",
+                self.name,
+                self.npy_path,
+                e,
+                path=self.npy_path,
             )
 
     @property

@@ -28,7 +28,7 @@ possible when a sample is longer than ``max_tokens / W``) is skipped on every ra
 
 from __future__ import annotations
 
-import warnings
+import logging
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -37,11 +37,13 @@ from typing import Any
 import numpy as np
 import torch.utils.data as tud
 
-from .. import _dist
+from .. import _dist, _log
 from .._errors import ConfigError, DataError
 from . import _seeding, _workers
 from ._corpus import EpochOrder
 from ._windows import WindowFetch, cut_window, longest_field
+
+log = _log.get("data")
 
 TOKENS_VERSION = 1
 
@@ -388,9 +390,12 @@ class TokenBatchLoader:
                 f"restart_epoch_on_change=True to restart epoch {self.epoch} from its start, or "
                 "start the data stream fresh (allow_missing=['<loader>'])"
             )
-        warnings.warn(
-            f"token loader: the corpus changed since this position was saved ({what}); "
-            f"restarting epoch {self.epoch} from its start (restart_epoch_on_change=True)",
-            stacklevel=3,
+        _log.event(
+            log,
+            logging.WARNING,
+            "unbroken: token loader: the corpus changed since this position was saved (%s); "
+            "restarting epoch %d from its start (restart_epoch_on_change=True)",
+            what,
+            self.epoch,
         )
         return True

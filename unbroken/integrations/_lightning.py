@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 
+from .. import _log
 from .._errors import ConfigError
 from .._exit import EXIT_RESUMABLE
 
-log = logging.getLogger("unbroken")
+log = _log.get("lightning")
 
 # Run options that make sense under Lightning's loop. max_steps comes from the Trainer; the
 # signal handlers are installed by the callback itself, once Lightning has installed its own.
@@ -190,8 +191,6 @@ def _build(pl: Any) -> type:
             self.run = Run(
                 self.run_dir, **comps, max_steps=max_steps, handle_signals=False, **self.options
             )
-            if self.run.resumed_from is not None:
-                log.info("unbroken: resumed from step %d", self.run.resumed_from)
 
         def _callbacks(self, trainer: Any) -> dict[str, Any]:
             out: dict[str, Any] = {}
@@ -232,12 +231,12 @@ def _build(pl: Any) -> type:
                 ),
             ):
                 if is_overridden(hook, pl_module, pl.LightningModule):
-                    log.warning("unbroken: %s.%s %s", name, hook, why)
+                    _log.event(log, logging.WARNING, "unbroken: %s.%s %s", name, hook, why)
 
         def _inexact(self, message: str) -> None:
             if self.strict:
                 raise ConfigError(f"LightningResume: {message} (or pass strict=False)")
-            log.warning("unbroken: resume will not be exact: %s", message)
+            _log.event(log, logging.WARNING, "unbroken: resume will not be exact: %s", message)
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             for dl in self._train_loaders(trainer):
@@ -310,11 +309,7 @@ def _build(pl: Any) -> type:
                 run.stopped = True
                 run.close()
                 exception.code = EXIT_RESUMABLE
-                print(
-                    f"unbroken: stopped at step {run.counters.step} (SIGTERM); checkpoint saved "
-                    f"in {run.dir}; relaunch the same command to continue",
-                    file=sys.stderr,
-                )
+                run._events.stopped("SIGTERM")  # the stop message of Run's own stops
                 return
             run.close()  # a crash: release the lock; the last checkpoint stays the latest
 

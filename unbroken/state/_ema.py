@@ -42,9 +42,13 @@ class EMA:
     def _pairs(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[Any, Any]]]:
         live = self.model.state_dict()
         if live.keys() != self.shadow.keys():
+            missing = sorted(self.shadow.keys() - live.keys())[:3]
+            new = sorted(live.keys() - self.shadow.keys())[:3]
             raise StateError(
-                "EMA: the model's state keys changed since the EMA was made; "
-                "grow the EMA with the model (unbroken.grow_ema) or make a new one"
+                f"EMA: the model's state keys changed since the EMA was made (gone: {missing}, "
+                f"new: {new}); change the model through Run -- a before_step or on_epoch_start "
+                "callback returning unbroken.Change(model=...) -- which grows the EMA with it, "
+                "or make a new unbroken.EMA(model)"
             )
         avg_s, avg_l, copy = [], [], []
         for k, s in self.shadow.items():

@@ -9,7 +9,6 @@ what was saved agree, naming the first thing that does not.
 from __future__ import annotations
 
 import random
-import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,6 +118,8 @@ class Registry:
             return TorchGeneratorState(obj), True
         if isinstance(obj, np.random.Generator):
             return NumpyGeneratorState(obj), True
+        if isinstance(obj, np.random.RandomState):
+            return NumpyRandomStateState(obj), True
         if isinstance(obj, random.Random):
             return PythonRandomState(obj), True
         if isinstance(obj, Stateful):
@@ -211,22 +212,24 @@ class Registry:
                 )
         return targets
 
-    def warn_untracked_parameters(self) -> None:
-        """Name every parameter an optimizer updates that no tracked module owns (a CLIP-style
-        ``logit_scale``, a module not passed to Run): its moments are saved and its value
-        nowhere, so a resume would restart it from its initial value (issue 17)."""
+    def check_untracked_parameters(self) -> None:
+        """Refuse every parameter an optimizer updates that no tracked module owns (a CLIP-style
+        ``logit_scale``, a module not passed to Run): its moments would be saved and its value
+        nowhere, so a resume would restart it from its initial value (issue 17). An error, not a
+        warning: there is no run in which that resume is exact."""
         for c in self:
             untracked = getattr(c.adapter, "untracked", None)
             lost: list[tuple[int, list[int]]] = untracked() if untracked is not None else []
             if not lost:
                 continue
-            where = ", ".join(f"#{i} (shape {shape})" for i, shape in lost[:5])
-            warnings.warn(
+            group = [gi for gi, g in enumerate(c.obj.param_groups) for _ in g["params"]]
+            where = ", ".join(f"#{i} (shape {shape}, group {group[i]})" for i, shape in lost[:5])
+            more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
+            raise StateError(
                 f"optimizer {c.name!r} updates {len(lost)} parameter(s) that no tracked module "
-                f"owns: {where}; their values are not saved, so a resume would restart them "
-                "from their initial values. Pass the module that owns them to Run, or hold "
-                "them in a module (e.g. torch.nn.ParameterDict) that you pass",
-                stacklevel=4,
+                f"owns: {where}{more}; their values would not be saved, so a resume would "
+                "restart them from their initial values. Pass the module that owns them to Run, "
+                "or hold them in a module (e.g. torch.nn.ParameterDict) that you pass"
             )
 
     def restore(
@@ -243,6 +246,36 @@ class Registry:
                 raise
             except (KeyError, ValueError, RuntimeError, TypeError, AttributeError, IndexError) as e:
                 raise StateError(f"component {name!r} could not load its state: {e}") from e
+
+
+class NumpyRandomStateState:
+    """A legacy ``numpy.random.RandomState``: its MT19937 key, position and cached Gaussian,
+    as JSON integers and a float (nothing pickled)."""
+
+    kind = "generator"
+
+    def __init__(self, generator: np.random.RandomState) -> None:
+        self.generator = generator
+
+    def state_dict(self) -> dict[str, Any]:
+        s = self.generator.get_state(legacy=False)
+        return {
+            "bit_generator": s["bit_generator"],
+            "key": [int(k) for k in s["state"]["key"]],
+            "pos": int(s["state"]["pos"]),
+            "has_gauss": int(s["has_gauss"]),
+            "gauss": float(s["gauss"]),
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.generator.set_state(
+            {
+                "bit_generator": sd["bit_generator"],
+                "state": {"key": np.asarray(sd["key"], dtype=np.uint32), "pos": int(sd["pos"])},
+                "has_gauss": int(sd["has_gauss"]),
+                "gauss": float(sd["gauss"]),
+            }
+        )
 
 
 def _loadable_in_place(t: torch.Tensor) -> bool:

@@ -29,13 +29,14 @@ from typing import Any
 
 import torch
 
+from .. import _log
 from .._errors import CheckpointWriteError
 from ..state import Payload
 from ..state._adapters import _is_dtensor
 from ._direct import one_thread
 from ._store import CheckpointStore
 
-log = logging.getLogger("unbroken")
+log = _log.get("store")
 _savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
 
 
@@ -142,11 +143,16 @@ def _report_at_exit() -> None:
     if not errors:
         return
     for step, err in errors:
-        log.error("the background save of step %s failed and was never reported: %s", step, err)
-        print(
-            f"unbroken: the background save of step {step} failed: {err}; the process exits 1 "
-            "(the training loop ended without run.finish() or run.close())",
-            file=sys.stderr,
+        # ERROR reaches stderr even with logging unconfigured (logging.lastResort).
+        _log.event(
+            log,
+            logging.ERROR,
+            "unbroken: the background save of step %s failed and was never reported: %s; the "
+            "process exits 1 (the training loop ended without run.finish() or run.close())",
+            step,
+            err,
+            rank_local=True,
+            step=step,
         )
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -18,16 +18,19 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import math
 import os
 import socket
 import time
-import warnings
 import weakref
 from typing import Any
 
+from .. import _log
 from .._errors import CheckpointWriteError, LockError
 from .._logfile import open_regular
+
+log = _log.get("store")
 
 LOCK_NAME = ".unbroken.lock"
 _RETRIES = 5
@@ -58,10 +61,13 @@ class WriterLock:
             fd = self._lock_file()
             self.previous = _read_holder(fd)
             if self.previous and self.previous.get("pid") != os.getpid():
-                warnings.warn(
-                    f"took over the lock of {self.run_dir} left by "
-                    f"{_describe(self.previous)}, which is no longer running",
-                    stacklevel=3,
+                _log.event(
+                    log,
+                    logging.WARNING,
+                    "unbroken: took over the lock of %s left by %s, which is no longer running",
+                    self.run_dir,
+                    _describe(self.previous),
+                    path=self.path,
                 )
             me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
             try:
@@ -84,7 +90,9 @@ class WriterLock:
         try:
             dfd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
-            raise LockError(f"cannot open the run directory {self.run_dir}: {e}") from None
+            raise LockError(
+                f"cannot open the run directory {self.run_dir}: {e}", path=self.run_dir
+            ) from None
         try:
             fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -107,19 +115,21 @@ class WriterLock:
                 raise self._held_by(holder) from None
             except OSError as e:
                 os.close(fd)
-                raise LockError(f"cannot lock {self.path}: {e}") from None
+                raise LockError(f"cannot lock {self.path}: {e}", path=self.path) from None
             if _same_file(fd, self.path):
                 return fd
             os.close(fd)  # deleted or replaced between our open and our flock: again
         raise LockError(
             f"the lock file {self.path} keeps being deleted or replaced while it is taken; "
-            "stop whatever removes it"
+            "stop whatever removes it",
+            path=self.path,
         )
 
     def _held_by(self, holder: dict[str, Any] | None) -> LockError:
         return LockError(
             f"run directory {self.run_dir} is being written by {_describe(holder)}; stop that "
-            "process, wait for it to finish, or use another run directory"
+            "process, wait for it to finish, or use another run directory",
+            path=self.run_dir,
         )
 
     def check(self) -> None:
@@ -131,14 +141,16 @@ class WriterLock:
             raise LockError(
                 f"the lock file {self.path} was replaced while this process holds the run "
                 f"directory (now it names {_describe(_holder_at(self.path))}); two writers "
-                "may be running: stop one"
+                "may be running: stop one",
+                path=self.path,
             )
         try:
             fd = open_regular(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, "lock file")
         except FileExistsError:
             raise LockError(
                 f"the lock file {self.path} was deleted and created anew by another process "
-                "while this one holds the run directory; two writers may be running: stop one"
+                "while this one holds the run directory; two writers may be running: stop one",
+                path=self.path,
             ) from None
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.pwrite(fd, os.pread(self._fd, 4096, 0), 0)

@@ -6,19 +6,42 @@ format 1 (unbroken 0.1) through _v1, its restricted unpickler kept for old run d
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
-from .._errors import CorruptCheckpointError
+from .._errors import CheckpointError, CorruptCheckpointError
 from ..state import TensorInfo, _tree
 from . import _format, _layout, _manifest, _storage
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _located(method: F) -> F:
+    """A checkpoint error raised while reading says which checkpoint: ``path`` (the file, if
+    the raiser named one, else the checkpoint directory) and ``step`` are filled in."""
+
+    @functools.wraps(method)
+    def wrapper(self: CheckpointReader, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except CheckpointError as e:
+            if e.path is None:
+                e.path = self.path
+            if e.step is None:
+                e.step = getattr(self, "step", None)
+            raise
+
+    return wrapper  # type: ignore[return-value]
 
 
 class CheckpointReader:
     """A checkpoint directory whose manifest parsed (call :meth:`verify` for checksums)."""
 
+    @_located
     def __init__(self, path: str) -> None:
         self.path = path
         self.manifest = _manifest.read_manifest(path)
@@ -46,6 +69,7 @@ class CheckpointReader:
     def meta(self) -> dict[str, Any]:
         return dict(self.manifest.get("meta") or {})
 
+    @_located
     def verify(self, *, checksums: bool = True, data: bool = True) -> None:
         """Check every file's size and (``checksums``) checksum, and parse the tensor metadata.
         ``data=False`` leaves format 2 data files to the load, which verifies each chunk as
@@ -69,6 +93,7 @@ class CheckpointReader:
             if checksums and data:
                 _storage.verify_data(self.path, self._table, self.manifest["files"])
 
+    @_located
     def check_contents(self) -> None:
         """Refuse what a restore would refuse, without restoring anything: the global and every
         rank's state file must parse (as JSON, and name only tensors the payload holds), and
@@ -84,9 +109,11 @@ class CheckpointReader:
 
             _v1.check_records(self.path, self._metadata)
 
+    @_located
     def global_trees(self) -> dict[str, Any]:
         return self._trees(_manifest.STATE_FILE)
 
+    @_located
     def local_trees(self, rank: int) -> dict[str, Any] | None:
         """Rank-local state of ``rank``, or None if that rank did not exist when saved."""
         name = _manifest.rank_file(rank)
@@ -111,6 +138,7 @@ class CheckpointReader:
                     )
         return comps
 
+    @_located
     def tensor_infos(self) -> dict[str, TensorInfo]:
         if self._infos is None:
             if self.format_version == 1:
@@ -124,6 +152,7 @@ class CheckpointReader:
                 self._infos = {k: TensorInfo(e.shape, e.dtype) for k, e in self._table.items()}
         return self._infos
 
+    @_located
     def load_tensors(self, targets: dict[str, torch.Tensor], *, verify: bool = True) -> None:
         """Fill ``targets`` from the payload; format 2 verifies every chunk read (``verify``)."""
         self.tensor_infos()

@@ -14,18 +14,18 @@ A failure on any rank is agreed on by all ranks before the commit, so no rank co
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import platform
 import shutil
 import time
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .. import _dist
+from .. import _dist, _log
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -40,6 +40,8 @@ from .._version import __version__
 from ..state import Payload
 from . import _fsops, _layout, _manifest, _storage
 from ._reader import CheckpointReader
+
+log = _log.get("store")
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,9 +156,13 @@ class CheckpointStore:
                 if not isinstance(e, CheckpointError):
                     raise
                 failures.append((path, str(e)))
-                warnings.warn(
-                    f"skipping unusable checkpoint {path}: {e}; trying an earlier one",
-                    stacklevel=2,
+                _log.event(
+                    log,
+                    logging.WARNING,
+                    "unbroken: skipping unusable checkpoint %s: %s; trying an earlier one",
+                    path,
+                    e,
+                    path=path,
                 )
         if not failures:
             return None
@@ -175,7 +181,9 @@ class CheckpointStore:
         if not os.path.isdir(path):
             have = [s for s, _ in _layout.scan(self.run_dir)]
             raise CheckpointNotFoundError(
-                f"no checkpoint for step {step} in {self.root} (found steps {sorted(have)})"
+                f"no checkpoint for step {step} in {self.root} (found steps {sorted(have)})",
+                path=path,
+                step=step,
             )
         r = CheckpointReader(path)
         r.verify(checksums=checksums, data=data)
@@ -335,7 +343,15 @@ class CheckpointStore:
                 _fsops.rename(p, doomed)
                 _fsops.rmtree(doomed)
             except OSError as e:
-                warnings.warn(f"retention could not delete {p}: {e}", stacklevel=2)
+                _log.event(
+                    log,
+                    logging.WARNING,
+                    "unbroken: retention could not delete %s: %s",
+                    p,
+                    e,
+                    step=s,
+                    path=p,
+                )
                 continue
             deleted.append(s)
         return deleted
@@ -354,10 +370,15 @@ class CheckpointStore:
                 moved.append(target)
         if moved:
             why = "they could not be loaded" if unusable else "history forks there"
-            warnings.warn(
-                f"resumed from step {step} and {why}, so newer checkpoints were moved aside "
-                f"(not deleted): {moved}",
-                stacklevel=2,
+            _log.event(
+                log,
+                logging.WARNING,
+                "unbroken: resumed from step %d and %s, so newer checkpoints were moved aside "
+                "(not deleted): %s",
+                step,
+                why,
+                moved,
+                step=step,
             )
         return moved
 
@@ -380,17 +401,25 @@ class CheckpointStore:
             os.rename(p, os.path.join(target, os.path.basename(p)))
         _fsops.fsync_dir(target)
         _fsops.fsync_dir(self.root)
-        warnings.warn(
-            f"start_over: moved {len(found)} checkpoint(s) into {target} (nothing deleted); "
+        _log.event(
+            log,
+            logging.WARNING,
+            "unbroken: start_over: moved %d checkpoint(s) into %s (nothing deleted); "
             "starting fresh",
-            stacklevel=2,
+            len(found),
+            target,
+            path=target,
         )
         return target
 
     def pin(self, step: int, pinned: bool = True) -> None:
         path = os.path.join(self.root, _layout.step_name(step), _layout.PINNED)
         if not os.path.isdir(os.path.dirname(path)):
-            raise CheckpointNotFoundError(f"no checkpoint for step {step} in {self.root}")
+            raise CheckpointNotFoundError(
+                f"no checkpoint for step {step} in {self.root}",
+                path=os.path.dirname(path),
+                step=step,
+            )
         if pinned:
             # Not through a symlink planted there (it would create or touch its target).
             os.close(open_regular(path, os.O_WRONLY | os.O_CREAT, "pin marker"))

@@ -9,11 +9,11 @@ and -- in one process -- the previous checkpoint loaded over a load that failed 
 
 from __future__ import annotations
 
+import logging
 import os
-import warnings
 from typing import Any
 
-from .. import _dist
+from .. import _dist, _log
 from .._errors import ConfigError, CorruptCheckpointError, StateError
 from ..data._seeding import derive, seed_globals
 from ..store import CheckpointReader, CheckpointStore
@@ -21,6 +21,8 @@ from ..store._manifest import rank_file
 from ._config import RunConfig
 from ._metrics import METRICS_FILE
 from ._tree_peek import saved_stage
+
+log = _log.get("run")
 
 
 def choose_checkpoint(run: Any) -> CheckpointReader | None:
@@ -58,10 +60,15 @@ def restore_or_fall_back(run: Any, reader: CheckpointReader) -> None:
     except CorruptCheckpointError as e:
         if run.world_size > 1 or run.config.resume is not True:
             raise
-        warnings.warn(
-            f"checkpoint {reader.path} failed its checksums while loading: {e}; loading an "
+        _log.event(
+            log,
+            logging.WARNING,
+            "unbroken: checkpoint %s failed its checksums while loading: %s; loading an "
             "earlier one over it",
-            stacklevel=3,
+            reader.path,
+            e,
+            step=reader.step,
+            path=reader.path,
         )
     # The live tensors were partly overwritten: the next checkpoint that verifies (this time
     # every byte, before loading; the bad one is moved aside as unusable) is loaded over all.
@@ -116,10 +123,17 @@ def restore(run: Any, reader: CheckpointReader) -> None:
         # rank-local streams start from a seed derived from (step, rank); documented.
         allow_missing |= {c.name for c in run.registry if c.rank_local}
         seed_globals(derive(reader.step, run.rank, domain=b"new-rank"))
-        warnings.warn(
-            f"rank {run.rank} did not exist when step {reader.step} was saved (world size "
-            f"{reader.world_size}); its random streams are seeded from (step, rank)",
-            stacklevel=4,
+        _log.event(
+            log,
+            logging.WARNING,
+            "unbroken: rank %d did not exist when step %d was saved (world size %d); its "
+            "random streams are seeded from (step, rank)",
+            run.rank,
+            reader.step,
+            reader.world_size,
+            rank_local=True,
+            step=reader.step,
+            path=reader.path,
         )
     else:
         trees = {**trees, **local}

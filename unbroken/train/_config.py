@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import difflib
+import numbers
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import ConfigError
+import torch
+
+from .._errors import ConfigError, ConfigTypeError
 
 
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
-    """Options of :class:`unbroken.Run` (pass them as keyword arguments to ``Run``)."""
+    """Options of :class:`unbroken.Run`: pass one as ``Run(dir, config=RunConfig(...), ...)``,
+    or its fields as keyword arguments of ``Run`` (not both). Types are checked here."""
 
     save_every: int | None = None
     """Save every N optimizer steps."""
@@ -86,8 +90,16 @@ class RunConfig:
     wrap_model: Callable[[Any], Any] | None = None
     """``wrap_model(model)`` wraps a new model after a change (default: DDP again if the old one
     was DDP; FSDP2 users pass a function that calls ``fully_shard``)."""
+    on_save: Callable[[int, str], Any] | None = None
+    """``on_save(step, path)`` after each checkpoint is durably committed, on every rank, in
+    the training thread (after an ``async_save``: at the next ``step()``, ``wait()`` or
+    ``finish()``). For your own logger; see docs/trackers.md."""
+    on_resume: Callable[[int, str], Any] | None = None
+    """``on_resume(step, path)`` once ``Run()`` restored every component from a checkpoint,
+    on every rank (not on a fresh start)."""
 
     def __post_init__(self) -> None:
+        check_types(self)
         for name in ("save_every", "keep_last", "keep_every", "max_steps"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -120,6 +132,149 @@ class RunConfig:
     @classmethod
     def fields(cls) -> frozenset[str]:
         return frozenset(cls.__dataclass_fields__)
+
+
+# What each option accepts, by kind; a value of the wrong type is a ConfigTypeError (also a
+# TypeError) naming the option, before any range check.
+_KINDS = {
+    "save_every": "int?",
+    "save_every_minutes": "real?",
+    "save_on_epoch_end": "bool",
+    "save_final": "bool",
+    "time_limit": "duration?",
+    "time_margin": "real",
+    "keep_last": "int?",
+    "keep_every": "int?",
+    "max_steps": "int?",
+    "resume": "resume",
+    "start_over": "bool",
+    "allow_missing": "names",
+    "allow_unexpected": "names",
+    "seed": "int?",
+    "handle_signals": "bool",
+    "exit_on_stop": "bool",
+    "metrics": "bool",
+    "progress": "bool?",
+    "async_save": "bool",
+    "snapshot_every": "int?",
+    "verify_checksums": "bool",
+    "track_rng": "bool",
+    "settings": "any",
+    "before_step": "callable?",
+    "on_epoch_start": "callable?",
+    "model_factory": "callable?",
+    "optimizer_factory": "callable?",
+    "grow": "callable?",
+    "stage": "any",
+    "wrap_model": "callable?",
+    "on_save": "callable?",
+    "on_resume": "callable?",
+}
+_EXPECTED = {
+    "int?": "an int or None",
+    "real?": "a number or None",
+    "real": "a number",
+    "bool": "a bool",
+    "bool?": "a bool or None",
+    "duration?": "seconds (a number), a '[D-]HH:MM:SS' string, or None",
+    "resume": "True, False or a step number (int)",
+    "names": "a list or tuple of component names (str)",
+    "callable?": "a function (callable) or None",
+}
+
+
+def _fits(kind: str, v: Any) -> bool:
+    is_int = isinstance(v, int) and not isinstance(v, bool)
+    is_real = isinstance(v, numbers.Real) and not isinstance(v, bool)
+    if kind.endswith("?") and v is None:
+        return True
+    return {
+        "int?": is_int,
+        "real?": is_real,
+        "real": is_real,
+        "bool": isinstance(v, bool),
+        "bool?": isinstance(v, bool),
+        "duration?": is_real or isinstance(v, str),
+        "resume": isinstance(v, bool) or is_int,
+        "names": isinstance(v, (list, tuple, set, frozenset))
+        and all(isinstance(n, str) for n in v),
+        "callable?": callable(v),
+        "any": True,
+    }[kind]
+
+
+def check_types(config: RunConfig) -> None:
+    for name, kind in _KINDS.items():
+        value = getattr(config, name)
+        if looks_like_component(value):
+            raise ConfigError(collision(name, value))
+        if not _fits(kind, value):
+            raise ConfigTypeError(
+                f"Run option {name}= must be {_EXPECTED[kind]}, got {value!r} "
+                f"({type(value).__name__})"
+            )
+
+
+def looks_like_component(obj: Any) -> bool:
+    """A module, optimizer, loader, generator or any object with state_dict/load_state_dict:
+    something to track, never an option's value."""
+    if isinstance(obj, (torch.nn.Module, torch.Generator)):
+        return True
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def collision(name: str, obj: Any) -> str:
+    return (
+        f"Run keyword {name!r} names the Run option {name}= (RunConfig.{name}), but the value "
+        f"is a {type(obj).__name__}, a component to track; a component cannot take an "
+        f"option's name as a keyword. Pass it as components={{{name!r}: ...}} (tracked under "
+        f"the name {name!r}), or give it another name"
+    )
+
+
+def split_arguments(
+    config: RunConfig | None, components: Mapping[str, Any] | None, kwargs: dict[str, Any]
+) -> tuple[RunConfig, dict[str, Any]]:
+    """``Run(dir, config=..., components=..., **kwargs)`` -> (the options, the components).
+
+    Keywords that are option names are options (a component-like value there is an error);
+    the rest are components, as are the entries of ``components`` (any names, options' too).
+    """
+    if config is not None and not isinstance(config, RunConfig):
+        raise ConfigTypeError(
+            f"Run(config=...) takes an unbroken.RunConfig, got a {type(config).__name__}; to "
+            "track a component named 'config', pass components={'config': obj}"
+        )
+    fields = RunConfig.fields()
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
+    for name, value in options.items():
+        if looks_like_component(value):
+            raise ConfigError(collision(name, value))
+    if config is not None and options:
+        listed = ", ".join(f"{k}=" for k in sorted(options))
+        raise ConfigError(
+            f"Run got config= and the keyword option(s) {listed}; pass the options one way: "
+            f"in the RunConfig (dataclasses.replace(config, {next(iter(sorted(options)))}=...)) "
+            "or all as keywords"
+        )
+    if components is not None:
+        if not isinstance(components, Mapping):
+            raise ConfigTypeError(
+                f"Run(components=...) takes a dict of name -> component, got a "
+                f"{type(components).__name__}"
+            )
+        for name in components:
+            if not isinstance(name, str) or not name:
+                raise ConfigTypeError(f"Run(components=...): names must be strings, got {name!r}")
+            if name in kwargs:
+                raise ConfigError(
+                    f"component {name!r} is given twice: as a keyword of Run and in "
+                    "components=; keep one"
+                )
+        kwargs = {**kwargs, **components}
+    return (config if config is not None else RunConfig(**options)), kwargs
 
 
 _HMS = re.compile(r"^(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)$")

@@ -25,7 +25,7 @@ import torch
 from .._errors import ConfigError, StateError
 from ..state import EMA
 from ..state._adapters import unwrap
-from . import _staging
+from . import _audit, _staging
 from ._settings import KNOWN, Settings, Values
 
 if TYPE_CHECKING:
@@ -58,6 +58,10 @@ class Stepper:
         self.values: Values = self.settings.at(0, 0)
         self.known = set(KNOWN) | set(self.settings.keys())
         self.accumulating = False
+        # The epoch whose on_epoch_start ran last in this process (a resume replays none), and
+        # whether a position-less source just began a new pass (see _epoch_begins).
+        self._started_epoch: int | None = None
+        self._new_pass: bool | None = None
 
     # ---- components -----------------------------------------------------------------------------
 
@@ -83,8 +87,9 @@ class Stepper:
 
     def loop(self, loader: Iterable[Any], epochs: int | None) -> Iterator[Any]:
         run = self.run
+        run._audit.loop_started(loader, check_source=True)
         it: Iterator[Any] | None = None
-        left = 0
+        left = step_batches = 0
         empty_passes = 0
         while True:
             if left == 0:
@@ -92,12 +97,16 @@ class Stepper:
                     break
                 if _finished(loader):
                     it = None
-                    nxt = _advance(run, loader)
+                    nxt = self._advance(loader)
                     run._end_epoch(nxt, last=_reached(epochs, nxt))
                 if epochs is not None and run.counters.epoch >= epochs:
                     break
-                left = self.begin_step(loader)
+                left = step_batches = self.begin_step(loader)
             if it is None:
+                if run.config.on_epoch_start is not None and self._epoch_begins(loader):
+                    # The step's micro-batches reach into a new epoch (grad_accum > 1): the
+                    # step that consumes its first sample is this one (issue 17).
+                    self._epoch_start(loader, mid_step=left < step_batches)
                 it = iter(loader)
                 empty = True
             try:
@@ -110,7 +119,7 @@ class Stepper:
                 empty_passes = empty_passes + 1 if empty else 0
                 if empty_passes > 1:
                     raise ConfigError("the loader yielded no batch for a whole epoch") from None
-                nxt = _advance(run, loader)
+                nxt = self._advance(loader)
                 run._end_epoch(nxt, last=_reached(epochs, nxt))
                 if epochs is not None and run.counters.epoch >= epochs:
                     break
@@ -126,10 +135,10 @@ class Stepper:
         """Events and settings of the step that starts now; returns its micro-batch count."""
         run, c = self.run, self.run.counters
         epoch = getattr(loader, "epoch", c.epoch) if loader is not None else c.epoch
-        first = getattr(loader, "position", None) == 0 if loader is not None else c.step == 0
         cfg = run.config
-        if cfg.on_epoch_start is not None and first:
-            self._apply(cfg.on_epoch_start(self._context(epoch)), "on_epoch_start")
+        run._audit.step_started()
+        if cfg.on_epoch_start is not None and self._epoch_begins(loader):
+            self._epoch_start(loader, mid_step=False)
         if cfg.before_step is not None:
             self._apply(cfg.before_step(self._context(epoch)), "before_step")
         self.values = self.settings.at(c.step, epoch, c.overrides)
@@ -138,6 +147,41 @@ class Stepper:
         if not isinstance(accum, int) or accum < 1:
             raise ConfigError(f"setting grad_accum must be a positive int, got {accum!r}")
         return accum
+
+    def _epoch_begins(self, loader: Any) -> bool:
+        """The next batch is the first of its epoch, whose on_epoch_start has not run."""
+        c = self.run.counters
+        epoch = getattr(loader, "epoch", c.epoch) if loader is not None else c.epoch
+        if epoch == self._started_epoch:
+            return False
+        position = getattr(loader, "position", None) if loader is not None else None
+        if position is not None:
+            return bool(position == 0)
+        # No position (range(n), a generator): a fresh run's first pass, or one that follows
+        # an epoch's end in this process.
+        return c.step == 0 if self._new_pass is None else self._new_pass
+
+    def _epoch_start(self, loader: Any, *, mid_step: bool) -> None:
+        c = self.run.counters
+        epoch = getattr(loader, "epoch", c.epoch) if loader is not None else c.epoch
+        self._started_epoch, self._new_pass = epoch, False
+        result = self.run.config.on_epoch_start(self._context(epoch))  # type: ignore[misc]
+        if mid_step:
+            change = _staging.as_change(result, "on_epoch_start", self.known)
+            if change is not None and change.model is not None:
+                raise ConfigError(
+                    f"on_epoch_start returned a new model for epoch {epoch}, whose first sample "
+                    "falls inside an optimizer step (its grad_accum micro-batches span the "
+                    "epoch boundary), where gradients of the old model are pending; change "
+                    "the model in before_step (e.g. when ctx.epoch first reaches the epoch), "
+                    "which runs at step starts"
+                )
+        # Settings overrides returned mid-step take effect at the next step start.
+        self._apply(result, "on_epoch_start")
+
+    def _advance(self, loader: Any) -> int:
+        self._new_pass = True
+        return _advance(self.run, loader)
 
     def _context(self, epoch: int) -> StepContext:
         c = self.run.counters
@@ -198,6 +242,8 @@ class Stepper:
             _staging.carry_optimizer_state(old_opt, old, new_opt, new, cfg.grow)
             self._repoint_schedulers(old_opt, new_opt)
             run.registry.replace(opt_name, new_opt)
+        # The script's own variables still point at the old ones: never train them silently.
+        _audit.retire(old_opt, old, new, run.counters.step)
         ema = self.ema()
         if ema is not None and unwrap(ema.model) is old:
             _staging.grow_ema(ema, new, cfg.grow)

@@ -11,19 +11,22 @@ whole lines and the gap is logged (``{"event": "log_gap"}``), never merged into.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
-import warnings
 from typing import Any
 
 import torch
 
+from .. import _log
 from .._errors import CheckpointWriteError
 from .._logfile import METRICS_FILE, open_regular, read_metrics
 from ..store import _fsops
 
 __all__ = ["METRICS_FILE", "MetricsLog", "read_metrics"]
+
+log = _log.get("run")
 
 
 class MetricsLog:
@@ -95,11 +98,18 @@ class MetricsLog:
         else:
             self._f.truncate(0)  # the only line is torn
         self._f.seek(0, os.SEEK_END)
-        warnings.warn(
-            f"the metrics log {self.path} holds {size} bytes but the checkpoint recorded "
-            f"{offset}: its last {offset - size} bytes were lost (e.g. a power loss); the "
-            "records of those steps are missing and are not redone",
-            stacklevel=4,
+        _log.event(
+            log,
+            logging.WARNING,
+            "unbroken: the metrics log %s holds %d bytes but the checkpoint recorded %d: its "
+            "last %d bytes were lost (e.g. a power loss); the records of those steps are "
+            "missing and are not redone",
+            self.path,
+            size,
+            offset,
+            offset - size,
+            step=step,
+            path=self.path,
         )
         self.event("log_gap", step=step, missing_bytes=offset - size)
 

@@ -16,25 +16,25 @@ Order of events (the contract; docs/resume.md repeats it)::
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import time
-import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from .. import _dist
+from .. import _dist, _stops
 from .._errors import ConfigError
 from .._exit import EXIT_RESUMABLE
-from ..data._contract import check_world, is_loader, refuse_torch_loader
+from ..data._contract import check_world, is_loader
 from ..data._seeding import derive, seed_globals
 from ..state import Counters, GlobalRNG, Registry
 from ..store import AsyncSaver, CheckpointReader, CheckpointStore, Retention, WriterLock, step_name
+from ._audit import Audit, refuse_untrackable
 from ._choose import choose_checkpoint, restore, restore_or_fall_back
-from ._config import RunConfig, deadline, option_hint
+from ._config import RunConfig, deadline, option_hint, split_arguments
+from ._events import Events
 from ._loop import Stepper
 from ._metrics import MetricsLog
 from ._progress import Progress, next_save_text, steps_for_epochs
@@ -49,7 +49,8 @@ class Run:
 
     Components are keyword arguments: modules, optimizers, LR schedulers, GradScalers,
     :class:`unbroken.EMA`, :class:`unbroken.DataLoader`, random generators and any object with
-    ``state_dict``/``load_state_dict``. Options are the fields of :class:`RunConfig`::
+    ``state_dict``/``load_state_dict``; ``components={...}`` takes any names, options' too.
+    Options: a :class:`RunConfig` as ``config=``, or its fields as keywords (not both)::
 
         run = unbroken.Run("runs/x", model=model, optimizer=opt, scheduler=sched,
                            loader=loader, save_every=100)
@@ -59,9 +60,16 @@ class Run:
                 run.step(loss=loss)
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str], /, **kwargs: Any) -> None:
-        options = {k: kwargs.pop(k) for k in list(kwargs) if k in RunConfig.fields()}
-        self.config = RunConfig(**options)
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        /,
+        *,
+        config: RunConfig | None = None,
+        components: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.config, kwargs = split_arguments(config, components, kwargs)
         self.dir = os.path.abspath(os.fspath(run_dir))
         self.rank, self.world_size = _dist.rank(), _dist.world_size()
         self.counters = Counters(stage=self.config.stage)
@@ -70,14 +78,14 @@ class Run:
             if name in _RESERVED:
                 raise ConfigError(f"component name {name!r} is reserved by unbroken; rename it")
             try:
-                refuse_torch_loader(obj)
+                refuse_untrackable(obj)
                 self.registry.add(name, obj)
             except ConfigError as e:
                 raise ConfigError(f"Run keyword {name!r}: {e}{option_hint(name)}") from None
             if is_loader(obj):
                 check_world(name, obj, self.rank, self.world_size)
         self.registry.add("counters", self.counters)
-        self.registry.warn_untracked_parameters()
+        self.registry.check_untracked_parameters()
         if self.config.track_rng:
             self.registry.add("rng", GlobalRNG())
         self.store = CheckpointStore(
@@ -94,7 +102,9 @@ class Run:
         self.stopped = False
         self.last_saved_step: int | None = None
         self.last_save_seconds: float | None = None
+        self._events = Events(self)
         self._open()
+        self._audit = Audit(self)  # once resumed: what the loop start is compared with
 
     # ---- start-up -----------------------------------------------------------------------------
 
@@ -127,6 +137,8 @@ class Run:
                 )
                 if self.resumed_from is not None:
                     self._metrics.event("resume", step=self.counters.step)
+            if self.resumed_from is not None:
+                self._events.resumed(self.resumed_from, self._path(self.resumed_from))
         except BaseException:
             self.close()
             raise
@@ -169,6 +181,7 @@ class Run:
         c = self.counters
         if self._async is not None:
             self._async.check()  # a background save that failed is raised at the next step
+            self._events.deliver()  # on_save of a background save that committed since
         now = time.perf_counter()
         dt = now - self._last_tick
         self._last_tick = now
@@ -249,22 +262,14 @@ class Run:
     def _extend(self, target: str) -> None:
         # A finished run asked for more: it continues (issue 17), and says so.
         self.counters.complete = False
-        logging.getLogger("unbroken").warning(
-            "unbroken: %s was complete at step %d; continuing it to %s",
-            self.dir,
-            self.counters.step,
-            target,
-        )
+        self._events.extended(target)
 
     def _halt(self, reason: str) -> bool:
         self.stopped = True
         self.close()
         if self.config.exit_on_stop:
-            print(
-                f"unbroken: stopped at step {self.counters.step} ({reason}); checkpoint saved "
-                f"in {self.dir}; relaunch the same command to continue",
-                file=sys.stderr,
-            )
+            self._events.stopped(reason)
+            _stops.record(self.counters.step, reason, self.rank, self.world_size)  # for launchers
             if self.world_size > 1 and torch.distributed.is_initialized():
                 # Every rank stops at this step; a gloo group left alive at exit can abort the
                 # process (-6) and lose the 75 (pytorch#190489).
@@ -282,6 +287,7 @@ class Run:
                 "settings and before_step are applied at step starts, which only run.loop() "
                 "sees; use `for batch in run.loop(loader)` (with epochs= if you count epochs)"
             )
+        self._audit.loop_started()
         if self._progress is not None and self.config.max_steps is None:
             loaders = self._loaders()
             self._progress.set_total(
@@ -348,10 +354,8 @@ class Run:
     def _log_event(self, kind: str, **fields: Any) -> None:
         if self._metrics is not None:
             self._metrics.event(kind, step=self.counters.step, **fields)
-        if self.rank == 0 and kind == "model_changed" and fields.get("reason") != "resume":
-            print(
-                f"unbroken: model changed at step {self.counters.step}: {fields}", file=sys.stderr
-            )
+        if kind == "model_changed":
+            self._events.model_changed(fields)
 
     def _end_epoch(self, next_epoch: int, *, last: bool = False) -> None:
         self.counters.epoch = next_epoch
@@ -386,10 +390,10 @@ class Run:
             c.metrics_offset = self._metrics.offset()  # fsynced: on disk before the commit
         payload = self.registry.collect(self.rank)
         meta = {"epoch": c.epoch, "samples": c.samples, "stage": c.stage}
-        path = os.path.join(self.store.root, step_name(c.step))
+        path = self._path(c.step)
         with self._stop.saving():  # a second Ctrl-C waits until this save committed
             if self._async is not None and not blocking:
-                self._async.save(c.step, payload, meta, after=self._retain)
+                self._async.save(c.step, payload, meta, after=self._committed_in_background)
                 # The time budget must allow for a whole save: use the last complete one.
                 self.last_save_seconds = self._async.last_total_seconds or (
                     time.perf_counter() - t0
@@ -400,20 +404,30 @@ class Run:
                 self.store.save(c.step, payload, meta)
                 self._retain(c.step)
                 self.last_save_seconds = time.perf_counter() - t0
+                self._events.committed(c.step, path, self.last_save_seconds)
         self.last_saved_step = c.step
         self._last_save_wall = time.time()
         # Time spent saving is not a training step.
         self._last_tick += time.perf_counter() - t0
+        self._events.deliver()
         return path
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.store.root, step_name(step))
 
     def _retain(self, step: int) -> None:
         if self.rank == 0:
             self.store.apply_retention(step)
 
+    def _committed_in_background(self, step: int) -> None:
+        self._retain(step)
+        self._events.committed(step, self._path(step))
+
     def wait(self) -> None:
         """Wait for a background save to commit; raise its error if it failed."""
         if self._async is not None:
             self._async.wait()
+        self._events.deliver()
 
     def finish(self) -> None:
         """Mark training complete, save a final checkpoint (if configured) and close."""
@@ -469,7 +483,7 @@ class Run:
         try:
             self.close()
         except Exception as e:  # do not hide the exception that ended the block
-            warnings.warn(f"closing the run after an error: {e}", stacklevel=2)
+            self._events.close_failed(e)
 
     def __repr__(self) -> str:
         return (

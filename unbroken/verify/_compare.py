@@ -83,6 +83,14 @@ class Comparison:
     """Component name -> kind, from the reference's newest checkpoint."""
     schedulers: list[str] = field(default_factory=list)
     """Tracked components that look like LR schedulers."""
+    untracked_params: dict[str, list[str]] = field(default_factory=dict)
+    """Optimizer component -> its state keys of parameters no tracked module owns (``#4``:
+    their moments are saved under a position, their values nowhere)."""
+    audit: list[dict[str, Any]] = field(default_factory=list)
+    """What the Run's start-up audit found (``audit`` events of either metrics log)."""
+    step_counts: list[str] = field(default_factory=list)
+    """Optimizer step counters that differ (``optimizer.state.0.weight.step``): the runs took
+    a different number of optimizer steps (a GradScaler skipping others, say)."""
 
     @property
     def passed(self) -> bool:
@@ -127,8 +135,9 @@ def compare_runs(
     shared = sorted(ref_steps.keys() & other_steps.keys())
     kinds: dict[str, str] = {}
     schedulers: list[str] = []
+    untracked: dict[str, list[str]] = {}
     if ref_steps:
-        kinds, schedulers = _components(ref_steps[max(ref_steps)])
+        kinds, schedulers, untracked = _components(ref_steps[max(ref_steps)])
     found: dict[str, Difference] = {}
     for step in shared:
         for d in _compare_step(step, ref_steps[step], other_steps[step], w):
@@ -144,7 +153,17 @@ def compare_runs(
         )
     diffs = sorted(found.values(), key=lambda d: _order(d, kinds)) + metric_diffs
     diffs.sort(key=lambda d: d.step)  # stable: within a step, the order above stays
-    return Comparison(shared, n_metrics, diffs, kinds, schedulers)
+    audit = [e for d in (ref, other) for e in _audit_events(d)]
+    cmp = Comparison(shared, n_metrics, diffs, kinds, schedulers, untracked, audit)
+    cmp.step_counts = list(dict.fromkeys(w.step_counts))
+    return cmp
+
+
+def _audit_events(run_dir: str) -> list[dict[str, Any]]:
+    try:
+        return [e for e in read_metrics(run_dir, events=True) if e.get("event") == "audit"]
+    except (OSError, ValueError):
+        return []
 
 
 def _order(d: Difference, kinds: dict[str, str]) -> tuple[int, int, int, str]:
@@ -153,18 +172,29 @@ def _order(d: Difference, kinds: dict[str, str]) -> tuple[int, int, int, str]:
     return (d.step, _CLASS_ORDER.get(d.kind, 9), rank, d.component)
 
 
-def _components(path: str) -> tuple[dict[str, str], list[str]]:
+def _components(path: str) -> tuple[dict[str, str], list[str], dict[str, list[str]]]:
     try:
         reader = CheckpointReader(path)
         comps = reader.components
         trees = reader.global_trees()
     except CheckpointError:
-        return {}, []
+        return {}, [], {}
     kinds = {name: str(c.get("kind", "stateful")) for name, c in comps.items()}
     schedulers = [
         n for n, t in trees.items() if isinstance(t, dict) and {"base_lrs", "last_epoch"} <= set(t)
     ]
-    return kinds, schedulers
+    untracked: dict[str, list[str]] = {}
+    for name, kind in kinds.items():
+        tree = trees.get(name)
+        groups = (
+            tree.get("param_groups") if kind == "optimizer" and isinstance(tree, dict) else None
+        )
+        if isinstance(groups, list):
+            keys = [p for g in groups if isinstance(g, dict) for p in g.get("params", [])]
+            lost = [k for k in keys if isinstance(k, str) and k.startswith("#")]
+            if lost:
+                untracked[name] = lost
+    return kinds, schedulers, untracked
 
 
 def _open(path: str) -> CheckpointReader:
@@ -213,8 +243,27 @@ def _compare_step(step: int, ref_path: str, other_path: str, w: _Walker) -> list
         if diffs:
             key, kind, ra, rb, mad = diffs[0]
             out.append(Difference(step, name, key, kind, ra, rb, mad))
+            _step_count(trees_a[name], trees_b[name], name, w)
     w.tensors = ({}, {})
     return out
+
+
+def _step_count(a: Any, b: Any, name: str, w: _Walker) -> None:
+    """For an optimizer that differs: whether its step counter does (evidence for the hints;
+    the walk above stops at the first key, and ``exp_avg`` sorts before ``step``)."""
+    if not (isinstance(a, dict) and isinstance(b, dict) and "param_groups" in a):
+        return
+    sa, sb = a.get("state"), b.get("state")
+    if not (isinstance(sa, dict) and isinstance(sb, dict)):
+        return
+    for param, entry in sa.items():
+        other = sb.get(param)
+        if isinstance(entry, dict) and isinstance(other, dict) and "step" in entry:
+            found: list[Any] = []
+            w.walk(entry["step"], other.get("step"), f"{name}.state.{param}.step", found, limit=1)
+            if found:
+                w.step_counts.append(f"{name}.state.{param}.step")
+            return
 
 
 def _flip(have: str) -> str:
@@ -271,6 +320,7 @@ class _Walker:
         self.exact = self.atol == 0 and self.rtol == 0
         self.ignore = tuple(ignore)
         self.tensors: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
+        self.step_counts: list[str] = []
 
     def ignored(self, path: str) -> bool:
         base = _strip_rank(path)

@@ -173,14 +173,20 @@ RNG = (
     "streams; build everything random before creating the Run."
 )
 GENERATOR = (
-    "An untracked random generator: a torch.Generator, random.Random or numpy Generator used "
-    "for noise, augmentation or dropout masks restarts from its seed after a relaunch unless it "
-    "is passed to Run as a component (Run(..., noise=gen)); per-sample randomness can come from "
-    "unbroken.DataLoader's per-sample generator (dataset.get_sample(i, generator))."
+    "An untracked random generator: a torch.Generator, random.Random, numpy Generator or "
+    "numpy RandomState used for noise, augmentation or dropout masks restarts from its seed "
+    "after a relaunch unless it is passed to Run as a component (Run(..., noise=gen)); "
+    "per-sample randomness can come from unbroken.DataLoader's per-sample generator "
+    "(dataset.get_sample(i, generator))."
 )
 COMPONENT = (
     "A stateful object not passed to Run (an LR scheduler, GradScaler, EMA, a custom object with "
     "state_dict()/load_state_dict()) starts afresh after a relaunch; track every one."
+)
+HIDDEN_GENERIC = (
+    "A module keeps state outside its state_dict (a tensor attribute or a non-persistent buffer "
+    "updated in forward, a Python counter): it is not saved, so a resume restarts it; register "
+    "it as a persistent buffer (self.register_buffer(name, tensor))."
 )
 NONDET_OPS = (
     "Nondeterministic ops (CUDA atomics, some scatter/index ops) make even uninterrupted runs "
@@ -191,10 +197,50 @@ METRICS_ONLY = (
     "Only the metrics log differs: a logged value depends on something not saved (wall time, a "
     "counter kept in the script). If that is expected, --ignore metrics.KEY."
 )
+UNTRACKED_PARAM = (
+    "An untracked parameter: optimizer {name!r} updates {keys} that no tracked module owns "
+    "(saved as '#<position>': the moments are saved, the value nowhere), so a resume restarts "
+    "them from their initial values. Pass the module that owns them to Run, or hold them in a "
+    "module you pass (torch.nn.ParameterDict); Run warned about it at start-up."
+)
+RNG_AFTER_RUN = (
+    "Random draws between Run() and the loop: {streams} advanced after Run() had restored the "
+    "streams (Run warned about it with a ResumeWarning), so a resumed run draws at other "
+    "positions than an uninterrupted one. Draw them before creating the Run (fixed evaluation "
+    "inputs, say), or from a separate torch.Generator()."
+)
+HIDDEN_STATE = (
+    "Module state outside the state_dict: {names} changed during training but is not saved "
+    "(Run warned about it at start-up), so a resume restarts it. Register it as a persistent "
+    "buffer (self.register_buffer(name, tensor))."
+)
+CALLBACK = (
+    "What a callback returned differs ({where}): before_step or on_epoch_start keeps state of its "
+    "own (a counter or a flag in a closure or a global), which a relaunch resets. Decide from "
+    "ctx.step, ctx.epoch and ctx.stage, which are restored, or keep that state in a component "
+    "passed to Run."
+)
+SKIPPED = (
+    "The optimizer took a different number of steps ({where}): the runs skipped different steps, "
+    "as torch.amp.GradScaler does on inf/NaN gradients. A GradScaler not passed to Run restarts "
+    "its scale after a relaunch; track it (Run(..., scaler=scaler))."
+)
+EMA_METRIC = (
+    "A value logged from averaged weights ({key}) differs while every tracked state agrees: an "
+    "EMA (unbroken.EMA, torch.optim.swa_utils.AveragedModel) not passed to Run restarts after a "
+    "relaunch; track it (Run(..., ema=ema))."
+)
 
 
 def hints_for(cmp: Comparison, resumed_from: list[int]) -> list[str]:
-    """Likely causes of the differences, most likely first."""
+    """Likely causes of the differences, the best evidenced first.
+
+    Evidence, strongest first: the runs differ before any resume (not a resume problem); what
+    the Run's start-up audit recorded (draws after Run(), module state outside the
+    state_dict); a callback's saved overrides; parameters no tracked module owns; no tracked
+    loader; the learning rate; the loader's position; the optimizer's step count; the random
+    streams; then the usual suspects of a model that diverges.
+    """
     if cmp.passed:
         return []
     diffs = cmp.differences
@@ -211,6 +257,20 @@ def hints_for(cmp: Comparison, resumed_from: list[int]) -> list[str]:
             hints.append(UNSEEDED_GLOBAL)
     state = [d for d in diffs if d.component != "metrics"]
     at_first = [d for d in state if d.step == state[0].step] if state else []
+    kind = {d.component: cmp.kinds.get(d.component.split("@")[0], "stateful") for d in state}
+    for event in cmp.audit:
+        if event.get("check") == "rng_after_run":
+            hints.append(RNG_AFTER_RUN.format(streams=" and ".join(event.get("streams", []))))
+        elif event.get("check") == "hidden_state":
+            hints.append(HIDDEN_STATE.format(names=", ".join(event.get("names", []))))
+    for d in state:
+        if kind[d.component] == "counters" and d.key.split(".")[0] in ("overrides", "stage"):
+            hints.append(CALLBACK.format(where=d.where))
+    trained = any(kind[d.component] in ("module", "optimizer") for d in state)
+    for name, keys in cmp.untracked_params.items():
+        if trained or any(d.component == "metrics" for d in diffs):
+            shown = ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+            hints.append(UNTRACKED_PARAM.format(name=name, keys=shown))
     loaders = [n for n, k in cmp.kinds.items() if k == "loader"]
     lr_diff = any(_is_lr(d) for d in diffs if d.step <= (state[0].step if state else d.step))
     if not loaders and cmp.kinds:
@@ -220,12 +280,17 @@ def hints_for(cmp: Comparison, resumed_from: list[int]) -> list[str]:
     for d in at_first:
         if d.component in loaders:
             hints.append(LOADER_STATE.format(name=d.component))
+    skipped = [
+        d.where for d in state if kind[d.component] == "optimizer" and d.key.endswith(".step")
+    ]
+    hints += [SKIPPED.format(where=where) for where in [*skipped, *cmp.step_counts][:1]]
     if any(d.component.split("@")[0] == "rng" for d in at_first) and UNSEEDED_GLOBAL not in hints:
         hints.append(RNG)
     if not state:
+        hints += [EMA_METRIC.format(key=d.key) for d in diffs if "ema" in d.key.lower()][:1]
         hints.append(METRICS_ONLY)
     else:
-        hints += [GENERATOR, COMPONENT, NONDET_OPS]
+        hints += [GENERATOR, COMPONENT, HIDDEN_GENERIC, NONDET_OPS]
     return list(dict.fromkeys(hints))
 
 

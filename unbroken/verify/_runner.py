@@ -5,8 +5,12 @@ The command learns its run directory from ``{run_dir}`` in its arguments (replac
 argument) or from the environment variable ``UNBROKEN_RUN_DIR``; ``UNBROKEN_KEEP_ALL=1`` makes
 its ``Run`` keep every checkpoint, so both runs can be compared at every save step.
 
-Each launch is its own process group, so a signal reaches the DataLoader workers too, as a
-cluster's preemption would. Moments are watched from outside: a step target fires when
+A signal goes to every process of the launch -- the command, everything below it, and what
+a launcher started in sessions of its own (torchrun's ranks) -- as a cluster's preemption
+would (:mod:`unbroken._tree`). A launch whose ranks all saved and stopped (their stop markers,
+:mod:`unbroken._stops`) is a stop whatever the launcher's exit code (torchrun exits 1 when its
+ranks exit 75). After a SIGKILL no step may be logged: one would mean a process of the job
+survived the kill and trained on. Moments are watched from outside: a step target fires when
 ``RUN/metrics.jsonl`` logs that step; a save target fires (SIGKILL) as soon as the save's
 ``checkpoints/.tmp-step-N`` directory appears.
 """
@@ -24,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from .. import _stops, _tree
 from .._errors import ConfigError
 from .._exit import EXIT_OK, EXIT_RESUMABLE
 from .._logfile import METRICS_FILE, last_logged_step
@@ -190,6 +195,9 @@ class _Session:
         self.argv, self.work, self.deadline, self.say = argv, work, deadline, say
         self.tick: StepProgress | None = None
         self._live: tuple[str, str, int | None] = ("", "", None)  # label, run dir, total
+        self._tree: _tree.Tree | None = None  # the current launch's processes
+        self._stop_dir = ""  # where its ranks leave their stop markers
+        self._killed_at: int | None = None  # the step logged when a SIGKILL had landed
 
     def _show(self) -> None:
         label, run_dir, total = self._live
@@ -206,7 +214,7 @@ class _Session:
         try:
             code = self._finish(proc, log)
         finally:
-            _reap(proc)  # e.g. on Ctrl-C: the command runs in its own session
+            self._reap(proc)  # e.g. on Ctrl-C: the command runs in its own session
         if code == EXIT_RESUMABLE:
             raise VerifyError(
                 f"the reference run exited {EXIT_RESUMABLE} (saved and stopped) without being "
@@ -249,11 +257,13 @@ class _Session:
             self._live = (f"interrupted, launch {out.launches}", run_dir, total)
             try:
                 hit = None if target is None else self._watch(proc, run_dir, target, save_steps)
-                code = self._finish(proc, log)
+                code = self._settle(self._finish(proc, log), log.name)
             finally:
-                _reap(proc)
+                self._reap(proc)
             fired = hit is not None
             at = last_logged_step(run_dir)
+            if hit is not None and hit.signal == "KILL":
+                self._check_stopped(at, hit, log.name)
             leftover = _leftover_save(run_dir)
             label = f"launch {out.launches}: "
             if hit is not None and target is not None:
@@ -271,7 +281,9 @@ class _Session:
             self.say(label + _exit_text(code, at, leftover))
             if code == EXIT_OK:
                 break
-            killed = code in (-signal.SIGKILL, -signal.SIGTERM) and fired
+            # A SIGKILL ends the launch however its launcher reports it (torchrun may see its
+            # ranks die before it is killed itself, and exit 1).
+            killed = fired and (hit is not None and hit.signal == "KILL" or code < 0)
             if code == EXIT_RESUMABLE or killed or code == -signal.SIGKILL:
                 stalls = stalls + 1 if not fired and at <= last_seen else 0
                 if stalls > 2:
@@ -289,7 +301,11 @@ class _Session:
 
     def _start(self, run_dir: str, name: str, launch: int) -> tuple[subprocess.Popen[bytes], IO]:
         argv = [a.replace(PLACEHOLDER, run_dir) for a in self.argv]
+        tag = _tree.new_tag()
+        self._stop_dir = os.path.join(self.work, "stops", f"{name}-{launch}")
         env = {**os.environ, ENV_RUN_DIR: run_dir, ENV_KEEP_ALL: "1"}
+        env |= {_tree.TAG_ENV: tag, _stops.ENV: self._stop_dir}
+        self._killed_at = None
         log = open(os.path.join(self.work, f"{name}.log"), "ab")
         log.write(f"=== launch {launch}: {' '.join(argv)}\n".encode())
         log.flush()
@@ -300,7 +316,55 @@ class _Session:
         except OSError as e:
             log.close()
             raise VerifyError(f"could not start {argv[0]!r}: {e}") from e
+        self._tree = _tree.Tree(proc.pid, tag)
         return proc, log
+
+    def _settle(self, code: int, log_path: str) -> int:
+        """After the launch's first process exited: wait for the rest of the job (ranks a
+        launcher left behind), then read the stop markers -- every rank saved and stopped is
+        a stop (75) whatever the launcher's exit code."""
+        tree = self._tree
+        if tree is not None and code != EXIT_OK:
+            left = self._remaining()
+            if tree.wait_gone(None if left is None else max(left, 0.0)):
+                tree.kill()
+                raise VerifyError(
+                    f"timed out waiting for the processes the command left running; they were "
+                    f"killed; log: {log_path}"
+                )
+        stopped = _stops.all_stopped(self._stop_dir)
+        if code not in (EXIT_OK, EXIT_RESUMABLE) and stopped:
+            how = f"signal {-code}" if code < 0 else f"exit {code}"
+            self.say(f"  {stopped}; the launcher reported {how}: a stop")
+            return EXIT_RESUMABLE
+        return code
+
+    def _check_stopped(self, at: int, hit: Target, log_path: str) -> None:
+        """No step may be logged after a SIGKILL landed: one means a process of the job
+        survived it (in a session or process group of its own) and trained on."""
+        if self._killed_at is not None and at > self._killed_at:
+            raise VerifyError(
+                f"SIGKILL at {hit.moment} did not stop training: step {at} was logged after "
+                f"the kill (at step {self._killed_at}); a process of the job survived it -- "
+                f"started outside the launch's process tree and without its environment? "
+                f"log: {log_path}"
+            )
+
+    def _signal(self, proc: subprocess.Popen[bytes], sig: int) -> None:
+        """Signal every process of the launch, as a scheduler does; a SIGKILL is repeated
+        until none is left, and the step logged by then is remembered (_check_stopped)."""
+        tree = self._tree or _tree.Tree(proc.pid, "")
+        if sig == signal.SIGKILL:
+            tree.kill()
+            self._killed_at = last_logged_step(self._live[1]) if self._live[1] else None
+            return
+        tree.send(sig, tree.members())
+
+    def _reap(self, proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is None or (self._tree is not None and self._tree.members()):
+            self._signal(proc, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.wait()
 
     def _remaining(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
@@ -320,7 +384,7 @@ class _Session:
                         raise
                     self._show()
         except subprocess.TimeoutExpired:
-            _reap(proc)
+            self._reap(proc)
             raise VerifyError(f"timed out; the command was killed; log: {log.name}") from None
         finally:
             log.close()
@@ -353,13 +417,13 @@ class _Session:
             else:
                 hit = probe.last() >= target.step
             if hit:
-                try:
-                    os.killpg(proc.pid, getattr(signal, "SIG" + target.signal))
-                except ProcessLookupError:
+                if proc.poll() is not None:
                     return None
+                self._signal(proc, getattr(signal, "SIG" + target.signal))
                 return target
-            # Look for a save's directory in quick succession from the checkpoint before it on.
-            near = target.kind == "save" and probe.last() >= target.step - gap
+            # Look for a save's directory in quick succession from two steps before it on.
+            # Not earlier: on a machine with few cores the spin takes CPU from the training.
+            near = target.kind == "save" and probe.last() >= target.step - min(gap, 2)
             time.sleep(_SPIN if near else _POLL)
         return None
 
@@ -378,15 +442,6 @@ def _gap(save_steps: list[int]) -> int:
     """The smallest distance between two saves (the first save's step if only one)."""
     gaps = [b - a for a, b in zip([0, *save_steps], save_steps, strict=False)]
     return min(gaps) if gaps else 1
-
-
-def _reap(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
 
 
 def _exit_text(code: int, at: int, leftover: int | None) -> str:

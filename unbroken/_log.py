@@ -1,0 +1,61 @@
+"""unbroken's operational log: the ``unbroken`` logger (and its children), and which rank says what.
+
+Every operational event -- a resume, a save, a fallback past an unusable checkpoint, a stop,
+retention, a lock taken over -- is a record of ``logging.getLogger("unbroken")`` or a child
+(``unbroken.run``, ``unbroken.store``, ...); ``warnings`` is kept for misuse of the API, so
+``python -W error`` never turns an event into an exception.
+
+Ranks. An event of the whole run is logged by rank 0 at its level and by every other rank at
+DEBUG, so N ranks do not repeat each line N times (enable DEBUG on ``unbroken`` to see every
+rank). A problem of one rank only (``rank_local=True``) keeps its level on that rank. Every
+record carries ``rank`` (so a format may use ``%(rank)s``) and, where known, ``step`` and
+``path``.
+
+Handlers. None is installed, not even a ``NullHandler``: with logging left unconfigured,
+records of WARNING and above reach stderr through ``logging.lastResort`` -- so the stop message
+("stopped at step N ...; relaunch the same command to continue") is seen by default -- and INFO
+(resume, save) needs ``logging.basicConfig(level=logging.INFO)`` or a handler of your own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from . import _dist
+
+ROOT = "unbroken"
+
+
+def get(name: str = "") -> logging.Logger:
+    return logging.getLogger(f"{ROOT}.{name}" if name else ROOT)
+
+
+def this_rank() -> int:
+    if _dist.active():
+        return _dist.rank()
+    # Before init_process_group (or in a tool), torchrun's or srun's variables say which rank.
+    for var in ("RANK", "SLURM_PROCID"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def event(
+    logger: logging.Logger,
+    level: int,
+    msg: str,
+    *args: Any,
+    rank_local: bool = False,
+    step: int | None = None,
+    path: str | None = None,
+) -> None:
+    """Log one operational event under the rank policy above."""
+    rank = this_rank()
+    if rank != 0 and not rank_local:
+        level = logging.DEBUG  # rank 0 says it for the run
+    if logger.isEnabledFor(level):
+        extra = {"rank": rank, "step": step, "path": path}
+        logger.log(level, msg, *args, extra=extra, stacklevel=2)

@@ -1,0 +1,111 @@
+"""Stop markers: each process that saved and stopped says so, for whoever launched the job.
+
+A launcher between the supervisor and the ranks loses their exit code: torchrun exits 1 when
+its ranks exit 75 ("saved and stopped, relaunch me"). So a process that stops that way also
+writes ``rank-R.json`` into the directory named by ``UNBROKEN_STOP_DIR`` (set per launch by
+``unbroken run`` and ``unbroken verify``), and the launcher of the job reads them: when every
+rank wrote one, the launch stopped resumably whatever the launcher's exit code says. A marker
+is written after the stop's checkpoint committed (the commit is collective: every rank's part
+is in it), or by a process stopped while not training (nothing to save).
+
+Torch-free: the supervisor reads markers without importing torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+ENV = "UNBROKEN_STOP_DIR"
+
+_log = logging.getLogger("unbroken.run")
+
+
+def _env_int(*names: str, default: int) -> int:
+    for name in names:
+        try:
+            return int(os.environ[name])
+        except (KeyError, ValueError):
+            continue
+    return default
+
+
+def record(
+    step: int | None, reason: str, rank: int | None = None, world: int | None = None
+) -> None:
+    """Write this process's stop marker, if a launcher asked for markers (never raises: a
+    marker that cannot be written costs a crash retry, not the stop)."""
+    where = os.environ.get(ENV)
+    if not where:
+        return
+    if rank is None:
+        rank = _env_int("RANK", "SLURM_PROCID", default=0)
+    if world is None:
+        world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+    marker = {
+        "rank": rank,
+        "world_size": world,
+        "local_rank": _env_int("LOCAL_RANK", "SLURM_LOCALID", default=rank),
+        "local_world_size": _env_int("LOCAL_WORLD_SIZE", default=world),
+        "node": _env_int("GROUP_RANK", "SLURM_NODEID", default=0),
+        "restart": _env_int("TORCHELASTIC_RESTART_COUNT", default=0),
+        "step": step,
+        "reason": reason,
+        "pid": os.getpid(),
+    }
+    path = os.path.join(where, f"rank-{rank:05d}.json")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        os.makedirs(where, exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(marker, f)
+        os.replace(tmp, path)  # a reader never sees half a marker
+    except OSError as e:
+        _log.warning("unbroken: could not write the stop marker %s: %s", path, e)
+
+
+def read(where: str) -> list[dict[str, Any]]:
+    out = []
+    try:
+        names = sorted(os.listdir(where))
+    except OSError:
+        return []
+    for name in names:
+        if not (name.startswith("rank-") and name.endswith(".json")):
+            continue
+        try:
+            with open(os.path.join(where, name), encoding="utf-8") as f:
+                out.append(json.load(f))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def all_stopped(where: str) -> str | None:
+    """A description ("2 of 2 ranks saved and stopped at step 6") when every rank of the launch
+    left a marker -- or, in a launch over several nodes, every rank of this node (the others
+    wrote theirs on their own nodes; the stop's checkpoint is collective) -- else None."""
+    markers = read(where)
+    if not markers:
+        return None
+    latest = max(m.get("restart", 0) for m in markers)
+    markers = [m for m in markers if m.get("restart", 0) == latest]  # torchrun's last round
+    world = {m.get("world_size") for m in markers}
+    if len(world) != 1:
+        return None
+    (size,) = world
+    if not isinstance(size, int) or size < 1:
+        return None
+    steps = sorted({m["step"] for m in markers if isinstance(m.get("step"), int)})
+    at = f" at step {steps[-1]}" if steps else ""
+    if {m.get("rank") for m in markers} == set(range(size)):
+        return f"{size} of {size} ranks saved and stopped{at}"
+    local = {m.get("local_world_size") for m in markers}
+    nodes = {m.get("node") for m in markers}
+    if len(local) == 1 and len(nodes) == 1:
+        (n,) = local
+        if isinstance(n, int) and {m.get("local_rank") for m in markers} == set(range(n)):
+            return f"the {n} ranks of this node (of {size}) saved and stopped{at}"
+    return None

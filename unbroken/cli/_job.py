@@ -1,0 +1,95 @@
+"""One launch of the supervised command: its process tree, its stop markers, its leftovers.
+
+``unbroken run -- torchrun ...`` must see through the launcher: a stop signal goes to every
+rank (torchrun starts them in sessions of their own and dies of SIGUSR1), "every rank saved
+and stopped" is a resumable stop whatever torchrun's exit code (it exits 1 when its ranks exit
+75), and ranks left running after the launcher died are waited for before a relaunch (they
+hold the run's lock and the master port). See :mod:`unbroken._tree` and :mod:`unbroken._stops`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+
+from .. import _stops, _tree
+
+
+def stop_area() -> str:
+    """A directory for the stop markers of one supervisor's launches (removed by ``discard``)."""
+    return tempfile.mkdtemp(prefix=f"unbroken-stops-{os.getpid()}-")
+
+
+def discard(area: str) -> None:
+    shutil.rmtree(area, ignore_errors=True)
+
+
+class Launch:
+    def __init__(self, cmd: list[str], env: dict[str, str], area: str, n: int) -> None:
+        self.tag = _tree.new_tag()
+        self.stop_dir = os.path.join(area, f"attempt-{n}")
+        env = {**env, _tree.TAG_ENV: self.tag, _stops.ENV: self.stop_dir}
+        self.proc = subprocess.Popen(cmd, env=env)
+        self.tree = _tree.Tree(self.proc.pid, self.tag)
+        # Whether a stop signal was forwarded only to processes with no handler for it (ranks
+        # still importing): they died of it having trained nothing -- a stop, not a crash.
+        self.unhandled: bool | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def forward(self, signum: int, terminal_pgrp: int | None) -> str:
+        """Send a stop signal to the launch's processes that should get it; says what was done.
+        ``terminal_pgrp``: the process group a terminal already delivered this Ctrl-C to."""
+        name = _signame(signum)
+        targets = self.tree.stop_targets(signum)
+        handled = any(_tree.catches(p, signum) for p in targets)
+        if targets and signum != signal.SIGHUP:  # SIGHUP is not a stop a trainer handles
+            self.unhandled = not handled and self.unhandled is not False
+        if not targets:
+            return f"{name}: child already gone"  # the wait will tell how it ended
+        sent = self.tree.send(signum, targets, terminal_pgrp)
+        if terminal_pgrp is not None:
+            if not sent:
+                return f"{name}: sent by the terminal, not forwarded"
+            return (
+                f"{name}: sent by the terminal to CMD's process group; forwarded to "
+                f"{_pids(sent)} outside it"
+            )
+        if not sent:
+            return f"{name}: child already gone"
+        if sent == [self.pid]:
+            return f"{name}: forwarded"
+        spared = _tree.agents(self.tree.members())
+        but = f", not to the launcher {_pids(sorted(spared))}" if spared else ""
+        return f"{name}: forwarded to {_pids(sent)}{but}"
+
+    def settle(self, rc: int, grace: float) -> tuple[str | None, str]:
+        """After CMD exited with ``rc``: wait for what it left running (at most ``grace``
+        seconds, then SIGKILL), then read the stop markers. Returns (a description when every
+        rank saved and stopped, else None; a note for the report)."""
+        note = ""
+        if rc != 0:
+            left = self.tree.wait_gone(grace)
+            if left:
+                self.tree.send(signal.SIGKILL, left)
+                note = f"killed {_pids(left)} left running {grace:g}s after CMD exited"
+        return _stops.all_stopped(self.stop_dir), note
+
+    def kill(self) -> None:
+        self.tree.kill()
+
+
+def _pids(pids: list[int]) -> str:
+    return f"pid {pids[0]}" if len(pids) == 1 else "pids " + ", ".join(map(str, pids))
+
+
+def _signame(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
