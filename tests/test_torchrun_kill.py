@@ -25,14 +25,12 @@ SLOW = [*STEPS, "--step-sleep", "0.25"]  # room to kill mid-run
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ref = tmp_path_factory.mktemp("ref") / "run"
-    code, out = tr.finish(tr.start(tr.torchrun("--run-dir", str(ref), *STEPS)))
-    assert code == 0, out[-4000:]
+    tr.run_to_end(ref, *STEPS)
     return ref
 
 
 def _resume(run_dir: Path) -> None:
-    code, out = tr.finish(tr.start(tr.torchrun("--run-dir", str(run_dir), *STEPS)))
-    assert code == 0, out[-4000:]
+    tr.run_to_end(run_dir, *STEPS)
 
 
 def _stops(run_dir: Path) -> list[int]:

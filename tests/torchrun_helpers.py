@@ -59,6 +59,12 @@ def finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
     return proc.returncode, out
 
 
+def run_to_end(run_dir: Path, *args: str) -> None:
+    """A 2-rank torchrun launch of the script that must finish (exit 0)."""
+    code, out = finish(start(torchrun("--run-dir", str(run_dir), *args)))
+    assert code == 0, out[-4000:]
+
+
 def kill_session(sid: int) -> None:
     """SIGKILL every process of session ``sid`` (what a test started), for cleanup only."""
     for pid in _pids():
