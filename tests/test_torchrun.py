@@ -21,8 +21,7 @@ from tests import torchrun_helpers as tr
 from tests.golden import assert_identical
 from unbroken.store import CheckpointStore
 
-STEPS = ["--steps", "10", "--save-every", "3"]
-SLOW = [*STEPS, "--step-sleep", "0.25"]  # room to signal mid-run
+STEPS, SLOW = tr.STEPS, tr.SLOW
 
 FAKE_SCONTROL = """#!/bin/sh
 echo "$@" >> "$SCONTROL_LOG"
@@ -31,9 +30,7 @@ echo "$@" >> "$SCONTROL_LOG"
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    ref = tmp_path_factory.mktemp("ref") / "run"
-    tr.run_to_end(ref, *STEPS)
-    return ref
+    return tr.reference_run(tmp_path_factory)
 
 
 def _resume(run_dir: Path) -> None:

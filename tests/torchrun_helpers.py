@@ -59,10 +59,21 @@ def finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
     return proc.returncode, out
 
 
+STEPS = ["--steps", "10", "--save-every", "3"]  # the run every golden test here compares
+SLOW = [*STEPS, "--step-sleep", "0.25"]  # room to signal or kill mid-run
+
+
 def run_to_end(run_dir: Path, *args: str) -> None:
     """A 2-rank torchrun launch of the script that must finish (exit 0)."""
     code, out = finish(start(torchrun("--run-dir", str(run_dir), *args)))
     assert code == 0, out[-4000:]
+
+
+def reference_run(tmp_path_factory: Any) -> Path:
+    """The uninterrupted run of STEPS (a module fixture's body)."""
+    ref = tmp_path_factory.mktemp("ref") / "run"
+    run_to_end(ref, *STEPS)
+    return ref
 
 
 def kill_session(sid: int) -> None:
