@@ -33,6 +33,7 @@ from .. import _log
 from .._errors import CheckpointWriteError
 from ..state import Payload
 from ..state._adapters import _is_dtensor
+from . import _par
 from ._direct import one_thread
 from ._store import CheckpointStore
 
@@ -108,29 +109,39 @@ class AsyncSaver:
         return self._error
 
     def _snapshot(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
+        names = list(tensors)
+        src = [tensors[n].detach() for n in names]
+        local: list[torch.Tensor] = [t.to_local() if _is_dtensor(t) else t for t in src]  # type: ignore[attr-defined]
+        bufs = [self._buffer(n, t) for n, t in zip(names, local, strict=True)]
+        pairs = list(zip(bufs, local, strict=True))
         with one_thread():
-            for name, t in tensors.items():
-                out[name] = self._copy(name, t.detach())
+            if all(t.device.type == "cpu" for t in local):
+                nbytes = sum(t.numel() * t.element_size() for t in local)
+                _par.each(pairs, lambda p: p[0].copy_(p[1]), nbytes)
+            else:
+                for buf, t in pairs:
+                    buf.copy_(t, non_blocking=True)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        return out
+        return {n: _wrap(b, t) for n, b, t in zip(names, bufs, src, strict=True)}
 
-    def _copy(self, name: str, t: Any) -> torch.Tensor:
-        local = t.to_local() if _is_dtensor(t) else t
+    def _buffer(self, name: str, local: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(name)
         if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
             pin = torch.cuda.is_available() and local.device.type == "cuda"
             buf = torch.empty(local.shape, dtype=local.dtype, pin_memory=pin)
             self._buffers[name] = buf
-        buf.copy_(local, non_blocking=True)
-        if _is_dtensor(t):
-            from torch.distributed.tensor import DTensor
-
-            return DTensor.from_local(
-                buf, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
-            )
         return buf
+
+
+def _wrap(buf: torch.Tensor, t: Any) -> torch.Tensor:
+    if _is_dtensor(t):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(
+            buf, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
+    return buf
 
 
 @atexit.register

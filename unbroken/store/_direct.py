@@ -31,7 +31,7 @@ import torch
 import xxhash
 
 from .._errors import CorruptCheckpointError
-from . import _fsops, _safeio
+from . import _fsops, _par, _safeio
 from ._format import ALIGN, Chunk
 
 STAGE_BYTES = 32 << 20  # 16 MiB measured 1.6x slower on the 1 GB state (bench: 0.57 vs 0.35 s)
@@ -261,9 +261,19 @@ class VerifiedReads:
 
     def into(self, chunk: Chunk, dest: torch.Tensor) -> None:
         """Fill ``dest`` (contiguous CPU, ``chunk.nbytes`` bytes) with the chunk."""
+        digest = self._read(chunk, dest)
+        if digest is not None:
+            self.pending.append((chunk, digest))
+
+    def many(self, pairs: list[tuple[Chunk, torch.Tensor]]) -> None:
+        """:meth:`into` for each (chunk, dest), in several threads when there is enough."""
+        nbytes = sum(c.nbytes for c, _ in pairs)
+        digests = _par.each(pairs, lambda p: self._read(*p), nbytes)
+        self.pending.extend((c, d) for (c, _), d in zip(pairs, digests, strict=True) if d)
+
+    def _read(self, chunk: Chunk, dest: torch.Tensor) -> str | None:
         if not chunk.nbytes:
-            self._check(chunk, b"")
-            return
+            return xxhash.xxh3_64_hexdigest(b"") if self.verify else None
         view = memoryview(dest.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
         got, offset = 0, chunk.offset
         while got < chunk.nbytes:
@@ -271,16 +281,13 @@ class VerifiedReads:
             if n <= 0:
                 raise CorruptCheckpointError(f"{self.path}: tensor {chunk.fqn!r} is truncated")
             got += n
-        self._check(chunk, view)
+        # Hashed right after the read, while the bytes are hot in the cache.
+        return xxhash.xxh3_64_hexdigest(view) if self.verify else None
 
     def new(self, chunk: Chunk, dtype: torch.dtype) -> torch.Tensor:
         t = torch.empty(chunk.sizes, dtype=dtype)
         self.into(chunk, t)
         return t
-
-    def _check(self, chunk: Chunk, data: Any) -> None:
-        if self.verify:
-            self.pending.append((chunk, xxhash.xxh3_64_hexdigest(data)))
 
     def finish(self) -> None:
         os.close(self.fd)

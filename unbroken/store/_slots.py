@@ -30,7 +30,7 @@ import torch
 import xxhash
 
 from .._errors import UnsafeCheckpointError
-from . import _direct, _fsops, _layout
+from . import _direct, _fsops, _layout, _par
 from ._format import ALIGN
 
 SLOTS = "slots"
@@ -106,21 +106,29 @@ class Slots:
             layout.append((start, nbytes, t.dtype, t.shape))
             pos = start + nbytes
         slot = self._slot(name, idx, pos, layout)
-        out: list[tuple[Any, int, int, str]] = []
-        announced = False
         view = slot.view
+
+        def copy(i: int) -> str:
+            dst = slot.dsts[i]
+            if dst is None:
+                return _EMPTY
+            dst.copy_(items[i][1])
+            start, nbytes = layout[i][0], layout[i][1]
+            return xxhash.xxh3_64_hexdigest(view[start : start + nbytes])
+
         with _direct.one_thread():
-            for (key, t), (start, nbytes, _, _), dst in zip(items, layout, slot.dsts, strict=True):
-                digest = _EMPTY
-                if dst is not None:
-                    dst.copy_(t)
-                    digest = xxhash.xxh3_64_hexdigest(view[start : start + nbytes])
-                    if not announced:
-                        # Announced once the slot is partly overwritten: a kill at this event
-                        # is a kill in the middle of the copy.
-                        announced = True
-                        _fsops.event("write", slot.path)
-                out.append((key, start, nbytes, digest))
+            # The first tensor in this thread, then the event, announced once the slot is
+            # partly overwritten (a kill at it is a kill in the middle of the copy).
+            hit = next((i for i, d in enumerate(slot.dsts) if d is not None), None)
+            first = len(items) if hit is None else hit + 1
+            digests = [copy(i) for i in range(first)]
+            if hit is not None:
+                _fsops.event("write", slot.path)
+            digests += _par.each(range(first, len(items)), copy, pos)
+        out = [
+            (key, start, nbytes, digest)
+            for (key, _), (start, nbytes, _, _), digest in zip(items, layout, digests, strict=True)
+        ]
         _fsops.event("link", path)
         os.link(slot.path, path, follow_symlinks=False)
         self._pending[name] = idx
