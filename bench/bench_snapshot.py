@@ -9,7 +9,8 @@ medians of N repeats:
                     every tensor into the free one of two preallocated, mapped slots + xxh3 of
                     it, the slot hard-linked into the store's commit (JSON files, manifest
                     last, rename), then the previous snapshot's directory deleted
-  copy floor        ``copy_`` of every tensor into preallocated buffers (one thread)
+  copy floor        ``copy_`` of every tensor into preallocated buffers (one thread), and the
+                    same with torch's default intra-op threads
   durable save      ``CheckpointStore.save`` to the disk under --dir (O_DIRECT + fsync)
   restore, disk     verified load of the durable checkpoint into the live tensors after
                     ``drop_caches`` (root; else warm, and the table says so)
@@ -77,6 +78,12 @@ def state_part(shape: str, repeats: int, root: str) -> dict:
         torch.set_num_threads(n)
         return dt
 
+    def copy_threads() -> float:
+        t0 = time.perf_counter()
+        for k, v in reg.collect().tensors.items():
+            bufs[k].copy_(v)
+        return time.perf_counter() - t0
+
     def durable() -> float:
         step[0] += 1
         t0 = time.perf_counter()
@@ -85,7 +92,7 @@ def state_part(shape: str, repeats: int, root: str) -> dict:
         shutil.rmtree(path)
         return dt
 
-    saves = {"snapshot": snapshot, "copy": copy, "durable": durable}
+    saves = {"snapshot": snapshot, "copy": copy, "copy_threads": copy_threads, "durable": durable}
     for fn in saves.values():
         fn()
     st: dict[str, list[float]] = {k: [] for k in saves}
@@ -179,7 +186,8 @@ def main() -> None:
     print("\n| operation | seconds | vs copy floor |\n| --- | ---: | ---: |")
     for k, name in (
         ("snapshot", "in-memory snapshot (SnapshotArea.save: copy into a slot + xxh3 + commit)"),
-        ("copy", "copy_ into preallocated buffers (floor)"),
+        ("copy", "copy_ into preallocated buffers, one thread (floor)"),
+        ("copy_threads", "copy_ into preallocated buffers, torch's default threads"),
         ("durable", "durable save to disk (O_DIRECT + fsync)"),
     ):
         print(f"| {name} | {s[k]:.3f} | {s[k] / s['copy']:.2f}x |")
