@@ -17,11 +17,9 @@ medians of N repeats:
   restore, memory   the same load from the snapshot in /dev/shm (what a relaunch on the same
                     node does)
 
-Then the per-step cost in a training loop: a small char-level transformer trained for a number
-of steps with a snapshot after every step and without any, interleaved; the cost is the extra
-time per step as a fraction of the step time. A snapshot is taken as ``Run`` takes it in one
-process (``save_later``: the copy blocks, the hash and commit run in a thread until the next
-step is logged) and, for comparison, entirely in the training thread (``save``).
+Then the per-step cost in a training loop: a small char-level transformer (the char_lm
+example's shape) trained for a number of steps with a snapshot after every step and without
+any, interleaved; the cost is the extra time per step as a fraction of the step time.
 """
 
 from __future__ import annotations
@@ -144,37 +142,27 @@ def loop_part(steps: int, repeats: int) -> dict:
     x = torch.randint(0, vocab, (32, ctx))
     n = [0]
 
-    def train(kind: str) -> float:
+    def train(snap: bool) -> float:
         t0 = time.perf_counter()
         for _ in range(steps):
             loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
             opt.zero_grad()
             loss.backward()
             opt.step()
-            area.settle()  # as Run.step() does before it logs the step
-            if kind != "plain":
+            if snap:
                 n[0] += 1
-                if kind == "snapshot":  # as Run takes one in one process
-                    area.save_later(n[0], reg.collect(), {"epoch": 0})
-                else:
-                    area.save(n[0], reg.collect(), {"epoch": 0})
-        area.settle()
+                area.save(n[0], reg.collect(), {"epoch": 0})
         return (time.perf_counter() - t0) / steps
 
-    train("snapshot")
-    res: dict[str, list[float]] = {"plain": [], "snapshot": [], "snapshot_sync": []}
+    train(True)
+    res: dict[str, list[float]] = {"plain": [], "snapshot": []}
     for r in range(repeats):
         for k in rotated(list(res), r):
-            res[k].append(train(k))
+            res[k].append(train(k == "snapshot"))
     shutil.rmtree(area.root, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in res.items()}
     state = state_bytes(reg)
-    return {
-        "state_bytes": state,
-        "s_per_step": med,
-        "cost": med["snapshot"] / med["plain"] - 1,
-        "cost_sync": med["snapshot_sync"] / med["plain"] - 1,
-    }
+    return {"state_bytes": state, "s_per_step": med, "cost": med["snapshot"] / med["plain"] - 1}
 
 
 def main() -> None:
@@ -210,9 +198,8 @@ def main() -> None:
     ps = lp["s_per_step"]
     print(
         f"\nloop: {lp['state_bytes'] / 1e6:.1f} MB of state; {ps['plain'] * 1e3:.1f} ms/step "
-        f"plain, {ps['snapshot'] * 1e3:.1f} ms/step with a snapshot every step as Run takes it "
-        f"(copy, then hash and commit in a thread): cost {lp['cost'] * 100:.1f}%; all in the "
-        f"training thread: {ps['snapshot_sync'] * 1e3:.1f} ms/step, {lp['cost_sync'] * 100:.1f}%"
+        f"plain, {ps['snapshot'] * 1e3:.1f} ms/step with a snapshot every step: "
+        f"cost {lp['cost'] * 100:.1f}%"
     )
     print(json.dumps({"bench": "snapshot", "when": when, "state": sp, "loop": lp}))
 

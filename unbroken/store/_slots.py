@@ -97,20 +97,34 @@ class Slots:
         """Like ``_direct.write_chunks``: ``path`` holds every tensor's bytes (as a hard link to
         the free slot); returns ([(key, offset, nbytes, xxh3)], file size)."""
         name = os.path.basename(path)
+        idx = 1 - self._in_use(name)
         items = [(key, t.detach()) for key, t in tensors]
-        idx, slot, layout, pos = self._free_slot(name, [t for _, t in items])
+        layout, pos = [], 0
+        for _, t in items:
+            start = -(-pos // ALIGN) * ALIGN
+            nbytes = t.numel() * t.element_size()
+            layout.append((start, nbytes, t.dtype, t.shape))
+            pos = start + nbytes
+        slot = self._slot(name, idx, pos, layout)
         view = slot.view
 
         def copy(i: int) -> str:
             dst = slot.dsts[i]
             if dst is None:
                 return _EMPTY
-            if dst.data_ptr() != items[i][1].data_ptr():  # else :meth:`stage` copied it
-                dst.copy_(items[i][1])
+            dst.copy_(items[i][1])
             start, nbytes = layout[i][0], layout[i][1]
             return xxhash.xxh3_64_hexdigest(view[start : start + nbytes])
 
-        digests = self._run(slot, len(items), copy, pos)
+        with _direct.one_thread():
+            # The first tensor in this thread, then the event, announced once the slot is
+            # partly overwritten (a kill at it is a kill in the middle of the copy).
+            hit = next((i for i, d in enumerate(slot.dsts) if d is not None), None)
+            first = len(items) if hit is None else hit + 1
+            digests = [copy(i) for i in range(first)]
+            if hit is not None:
+                _fsops.event("write", slot.path)
+            digests += _par.each(range(first, len(items)), copy, pos)
         out = [
             (key, start, nbytes, digest)
             for (key, _), (start, nbytes, _, _), digest in zip(items, layout, digests, strict=True)
@@ -119,47 +133,6 @@ class Slots:
         os.link(slot.path, path, follow_symlinks=False)
         self._pending[name] = idx
         return out, pos
-
-    def stage(self, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copy ``tensors`` into the slot the next :meth:`write_chunks` of ``name`` will use,
-        now; returns the slot's views of them, for a save that only hashes and commits (in a
-        thread, while training goes on: the live tensors may change, the slot does not)."""
-        names = list(tensors)
-        src = [tensors[n].detach() for n in names]
-        _, slot, _, pos = self._free_slot(name, src)
-
-        def copy(i: int) -> None:
-            dst = slot.dsts[i]
-            if dst is not None:
-                dst.copy_(src[i])
-
-        self._run(slot, len(src), copy, pos)
-        views = {}
-        for n, t, dst in zip(names, src, slot.dsts, strict=True):
-            views[n] = dst if dst is not None else torch.empty(t.shape, dtype=t.dtype)
-        return views
-
-    def _free_slot(self, name: str, tensors: list[torch.Tensor]) -> tuple[int, _Slot, list, int]:
-        idx = 1 - self._in_use(name)
-        layout, pos = [], 0
-        for t in tensors:
-            start = -(-pos // ALIGN) * ALIGN
-            nbytes = t.numel() * t.element_size()
-            layout.append((start, nbytes, t.dtype, t.shape))
-            pos = start + nbytes
-        return idx, self._slot(name, idx, pos, layout), layout, pos
-
-    @staticmethod
-    def _run(slot: _Slot, n: int, fn: Any, nbytes: int) -> list[Any]:
-        with _direct.one_thread():
-            # The first tensor in this thread, then the event, announced once the slot is
-            # partly overwritten (a kill at it is a kill in the middle of the copy).
-            hit = next((i for i, d in enumerate(slot.dsts) if d is not None), None)
-            first = n if hit is None else hit + 1
-            out = [fn(i) for i in range(first)]
-            if hit is not None:
-                _fsops.event("write", slot.path)
-            return out + _par.each(range(first, n), fn, nbytes)
 
     def committed(self) -> None:
         """The save in progress committed: its slots are now the ones not to overwrite."""

@@ -22,13 +22,10 @@ What survives what: a crash, kill -9 or OOM kill of the trainer -> the snapshot 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import os
 import shutil
-import threading
-import time
 from typing import Any
 
 from .._errors import CheckpointError, LockError
@@ -36,7 +33,7 @@ from .._logfile import METRICS_FILE
 from .._shm import ENV as ENV
 from .._shm import SHM, discard, stale_areas
 from .._shm import supervisor_area as supervisor_area
-from . import _format, _fsops, _layout, _manifest, _storage
+from . import _fsops, _layout, _manifest, _storage
 from ._lock import WriterLock
 from ._reader import CheckpointReader
 from ._slots import Slots
@@ -69,9 +66,6 @@ class SnapshotArea:
             self.store.clean_stale()
         self.slots = Slots(root)
         self.disabled: str | None = None
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self.background_seconds = 0.0  # CPU time of the last save_later's thread
 
     def fits(self, nbytes: int) -> bool:
         """Whether two snapshots of ``nbytes`` fit (the new one beside the previous one)."""
@@ -101,36 +95,6 @@ class SnapshotArea:
             self._drop_newer(step)
         return path
 
-    def save_later(self, step: int, payload: Any, meta: dict[str, Any]) -> None:
-        """One process: copy the tensors into the free slot now, then hash and commit in a
-        thread while training goes on; :meth:`settle` waits for it and raises its error. Only
-        the copy must block (the next step changes the live tensors, not the slot); the rest was
-        ~45% of a snapshot's time on a small state (docs/performance.md)."""
-        self.settle()
-        views = self.slots.stage(_format.data_file(0), payload.tensors)
-        staged = dataclasses.replace(payload, tensors=views)
-
-        def work() -> None:
-            t0 = time.thread_time()
-            try:
-                self.save(step, staged, meta)
-            except BaseException as e:  # raised by settle(), in the training thread
-                self._error = e
-            finally:
-                self.background_seconds = time.thread_time() - t0
-
-        self._thread = threading.Thread(target=work, name="unbroken-snapshot")
-        self._thread.start()
-
-    def settle(self) -> None:
-        """Wait for the snapshot :meth:`save_later` left committing; raise its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        err, self._error = self._error, None
-        if err is not None:
-            raise err
-
     def _drop_newer(self, step: int) -> None:
         """Snapshots newer than the one just taken belong to a history the trainer left (it
         resumed an earlier step): persisting one after a crash would resurrect it."""
@@ -142,10 +106,7 @@ class SnapshotArea:
 
     def close(self) -> None:
         """Unmap the slots (the files stay: the supervisor persists or removes them)."""
-        try:
-            self.settle()
-        finally:
-            self.slots.close()
+        self.slots.close()
 
     def matching(self, reader: CheckpointReader) -> CheckpointReader | None:
         """The snapshot that is ``reader``'s checkpoint (same manifest), if the area holds it."""

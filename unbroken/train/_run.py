@@ -192,9 +192,6 @@ class Run:
         c.samples += marks[1] - self._marks[1]
         self._marks = marks
         signalled, out_of_time, minutes_due, loss = self._agree(loss)
-        # The previous step's snapshot commits before this step is logged: a kill then loses
-        # at most the step in progress and the one logged last.
-        self._snapshots.settle()
         if self._metrics is not None:
             record: dict[str, Any] = {"step": c.step, "epoch": c.epoch}
             if loss is not None:
@@ -430,8 +427,6 @@ class Run:
         """Wait for a background save to commit; raise its error if it failed."""
         if self._async is not None:
             self._async.wait()
-        if hasattr(self, "_snapshots"):  # absent when Run() failed before making it
-            self._snapshots.settle()
         self._events.deliver()
 
     def finish(self) -> None:

@@ -56,9 +56,6 @@ class Snapshots:
         self.seconds = time.perf_counter() - t0
         self.taken += 1
         if self.interval is None:
-            # The background part counts too, as if no core were spare for it.
-            self.settle()
-            self.seconds += self.area.background_seconds if self.area is not None else 0.0
             self.interval = self._choose_interval()
         # The snapshot is not training time.
         self.run._last_tick += time.perf_counter() - t0
@@ -84,15 +81,7 @@ class Snapshots:
             "snapshot": True,
         }
         assert self.area is not None
-        if _dist.active():
-            self.area.save(step, payload, meta)  # collective: in the training's thread
-        else:
-            self.area.save_later(step, payload, meta)
-
-    def settle(self) -> None:
-        """Wait for the snapshot committing in the background (one process); raise its error."""
-        if self.area is not None:
-            self.area.settle()
+        self.area.save(step, payload, meta)
 
     def _choose_interval(self) -> int:
         step_s = self.run._step_seconds or 0.0
