@@ -9,13 +9,36 @@ hold the run's lock and the master port). See :mod:`unbroken._tree` and :mod:`un
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
+from typing import Any
 
 from .. import _stops, _tree
+
+
+def _follow(supervisor: int) -> Any:
+    """A ``preexec_fn``: CMD gets SIGTERM when the supervisor dies (Linux ``PR_SET_PDEATHSIG``,
+    kept across ``exec``), so a ``kill -9`` of ``unbroken run`` stops its trainer as a
+    preemption would (save, exit 75) instead of leaving it training as an orphan that holds the
+    run's lock. The supervisor forks from its only thread, the one that lives as long as it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
+    except (OSError, AttributeError):
+        return None
+
+    def child() -> None:
+        prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != supervisor:  # it died before the line above took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return child
 
 
 def stop_area() -> str:
@@ -32,7 +55,7 @@ class Launch:
         self.tag = _tree.new_tag()
         self.stop_dir = os.path.join(area, f"attempt-{n}")
         env = {**env, _tree.TAG_ENV: self.tag, _stops.ENV: self.stop_dir}
-        self.proc = subprocess.Popen(cmd, env=env)
+        self.proc = subprocess.Popen(cmd, env=env, preexec_fn=_follow(os.getpid()))
         self.tree = _tree.Tree(self.proc.pid, self.tag)
         # Whether a stop signal was forwarded only to processes with no handler for it (ranks
         # still importing): they died of it having trained nothing -- a stop, not a crash.
