@@ -39,6 +39,7 @@ STAGE_BYTES = 32 << 20  # 16 MiB measured 1.6x slower on the 1 GB state (bench: 
 STAGES = 4
 WRITERS = 2  # a second write in flight: 0.74x -> 0.77x the ceiling (bench, 3 A/Bs)
 BLOCK = 4096
+READ_PIECE = 1 << 20  # hashed while hot: 0.157 s vs 0.169 s a whole chunk at once (1 GB, warm)
 
 
 @contextmanager
@@ -283,14 +284,18 @@ class VerifiedReads:
         if not chunk.nbytes:
             return xxhash.xxh3_64_hexdigest(b"") if self.verify else None
         view = memoryview(dest.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        h = xxhash.xxh3_64() if self.verify else None
         got, offset = 0, chunk.offset
         while got < chunk.nbytes:
-            n = os.preadv(self.fd, [view[got:]], offset + got)
+            # In pieces, each hashed right after it is read, while it is hot in the cache.
+            end = min(chunk.nbytes, got + READ_PIECE) if h is not None else chunk.nbytes
+            n = os.preadv(self.fd, [view[got:end]], offset + got)
             if n <= 0:
                 raise CorruptCheckpointError(f"{self.path}: tensor {chunk.fqn!r} is truncated")
+            if h is not None:
+                h.update(view[got : got + n])
             got += n
-        # Hashed right after the read, while the bytes are hot in the cache.
-        return xxhash.xxh3_64_hexdigest(view) if self.verify else None
+        return h.hexdigest() if h is not None else None
 
     def new(self, chunk: Chunk, dtype: torch.dtype) -> torch.Tensor:
         t = torch.empty(chunk.sizes, dtype=dtype)
