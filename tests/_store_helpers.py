@@ -78,12 +78,13 @@ def snapshot(reg: Registry) -> Snapshot:
     return trees, {k: v.detach().clone() for k, v in p.tensors.items()}
 
 
-def restore(reader: CheckpointReader) -> Snapshot:
-    """Load ``reader`` into fresh objects (the start-up path) and snapshot what they hold.
+def restore(reader: CheckpointReader, fresh: Callable[..., Registry] | None = None) -> Snapshot:
+    """Load ``reader`` into fresh objects (the start-up path; ``fresh(seed=...)`` makes them,
+    default :func:`make_registry`) and snapshot what they hold.
 
     The global RNG of this process is put back afterwards: restoring sets it.
     """
-    reg = make_registry(seed=123)
+    reg = (fresh or make_registry)(seed=123)
     mine = _rng.capture()
     try:
         trees = {**reader.global_trees(), **(reader.local_trees(0) or {})}

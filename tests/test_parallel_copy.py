@@ -16,9 +16,8 @@ import pytest
 import torch
 import xxhash
 
-from tests._store_helpers import assert_same, make_registry, snapshot, train
+from tests._store_helpers import assert_same, make_registry, restore, snapshot, train
 from unbroken import CorruptCheckpointError
-from unbroken.state import _rng
 from unbroken.store import AsyncSaver, CheckpointReader, CheckpointStore, _format, _par, _storage
 from unbroken.store._format import Chunk
 from unbroken.store._manifest import dumps
@@ -102,17 +101,7 @@ def test_a_bad_chunk_is_named_by_the_threaded_load(tmp_path, threaded):
 
 
 def load_fresh(reader: CheckpointReader):
-    reg = big_registry(seed=123)
-    mine = _rng.capture()
-    try:
-        trees = {**reader.global_trees(), **(reader.local_trees(0) or {})}
-        names = reg.check_names(trees)
-        targets = reg.plan(names, trees, reader.tensor_infos())
-        reader.load_tensors(targets)
-        reg.restore(names, trees, targets)
-        return snapshot(reg)
-    finally:
-        _rng.restore(mine)
+    return restore(reader, big_registry)
 
 
 def test_the_cached_table_is_exactly_the_json_of_its_document():
