@@ -19,7 +19,9 @@ medians of N repeats:
 
 Then the per-step cost in a training loop: a small char-level transformer (the char_lm
 example's shape) trained for a number of steps with a snapshot after every step and without
-any, interleaved; the cost is the extra time per step as a fraction of the step time.
+any, and with one every k steps, k being the interval ``Run`` picks by default from a
+snapshot's cost against the step time (``snapshot_every=None``); interleaved; the cost is the
+extra time per step as a fraction of the step time.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from bench_checkpoint import build_state, drop_caches, registry_of, rotated, sta
 
 from unbroken.store import CheckpointReader, CheckpointStore  # noqa: E402
 from unbroken.store._snapshot import SnapshotArea  # noqa: E402
+from unbroken.train._snapshots import interval_for  # noqa: E402
 
 
 def _load(reader: CheckpointReader, reg) -> None:
@@ -142,27 +145,42 @@ def loop_part(steps: int, repeats: int) -> dict:
     x = torch.randint(0, vocab, (32, ctx))
     n = [0]
 
-    def train(snap: bool) -> float:
+    def train(every: int, timings: list[float] | None = None) -> float:
+        """Seconds per step with a snapshot every ``every`` steps (0: none)."""
         t0 = time.perf_counter()
-        for _ in range(steps):
+        for i in range(steps):
+            t1 = time.perf_counter()
             loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
             opt.zero_grad()
             loss.backward()
             opt.step()
-            if snap:
+            t2 = time.perf_counter()
+            if every and (i + 1) % every == 0:
                 n[0] += 1
                 area.save(n[0], reg.collect(), {"epoch": 0})
+                if timings is not None:
+                    timings.append((time.perf_counter() - t2) / (t2 - t1))
         return (time.perf_counter() - t0) / steps
 
-    train(True)
-    res: dict[str, list[float]] = {"plain": [], "snapshot": []}
+    first: list[float] = []
+    train(1, first)
+    # The interval Run picks by default from a snapshot's cost against the step time.
+    every = interval_for(statistics.median(first), 1.0)
+    res: dict[str, list[float]] = {"plain": [], "snapshot": [], "default": []}
+    periods = {"plain": 0, "snapshot": 1, "default": every}
     for r in range(repeats):
         for k in rotated(list(res), r):
-            res[k].append(train(k == "snapshot"))
+            res[k].append(train(periods[k]))
     shutil.rmtree(area.root, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in res.items()}
     state = state_bytes(reg)
-    return {"state_bytes": state, "s_per_step": med, "cost": med["snapshot"] / med["plain"] - 1}
+    return {
+        "state_bytes": state,
+        "s_per_step": med,
+        "cost": med["snapshot"] / med["plain"] - 1,
+        "default_every": every,
+        "cost_default": med["default"] / med["plain"] - 1,
+    }
 
 
 def main() -> None:
@@ -199,7 +217,8 @@ def main() -> None:
     print(
         f"\nloop: {lp['state_bytes'] / 1e6:.1f} MB of state; {ps['plain'] * 1e3:.1f} ms/step "
         f"plain, {ps['snapshot'] * 1e3:.1f} ms/step with a snapshot every step: "
-        f"cost {lp['cost'] * 100:.1f}%"
+        f"cost {lp['cost'] * 100:.1f}%; every {lp['default_every']} step(s), the interval Run "
+        f"picks by default: {ps['default'] * 1e3:.1f} ms/step, cost {lp['cost_default'] * 100:.1f}%"
     )
     print(json.dumps({"bench": "snapshot", "when": when, "state": sp, "loop": lp}))
 

@@ -23,6 +23,14 @@ BUDGET = 0.02
 """Snapshots may cost this fraction of the training time (issue 16)."""
 
 
+def interval_for(cost_s: float, step_s: float) -> int:
+    """Snapshot every this many steps: every step when one costs at most ``BUDGET`` of a step,
+    else as often as keeps their cost within it."""
+    if cost_s <= BUDGET * step_s:
+        return 1
+    return math.ceil(cost_s / (BUDGET * max(step_s, 1e-6)))
+
+
 class Snapshots:
     def __init__(self, run: Any, every: int | None) -> None:
         self.run = run
@@ -86,8 +94,7 @@ class Snapshots:
     def _choose_interval(self) -> int:
         step_s = self.run._step_seconds or 0.0
         cost = self.seconds or 0.0
-        every = 1 if cost <= BUDGET * step_s else math.ceil(cost / (BUDGET * max(step_s, 1e-6)))
-        every = _dist.broadcast_object(every)
+        every = _dist.broadcast_object(interval_for(cost, step_s))
         if self.run.rank == 0:
             log.info(
                 "unbroken: in-memory snapshot every %d step(s) (one takes %.1f ms, a step %.1f ms)",
