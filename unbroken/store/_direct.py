@@ -2,7 +2,7 @@
 
 Writing (bench/bench_checkpoint.py measured each choice on the 1 GB state): the chunks are
 copied into a few page-aligned staging buffers and hashed there (xxh3, which releases the GIL)
-by the calling thread, while one writer thread ``pwrite``s full buffers with ``O_DIRECT``. The
+by the calling thread, while two writer threads ``pwrite`` full buffers with ``O_DIRECT``. The
 copy and hash (~0.12 s/GB) hide behind the writes (~0.36 s/GB); through the page cache the
 same bytes took 2-8x longer on this disk (dirty-page writeback, then fsync). Where ``O_DIRECT``
 is refused (some tmpfs and network file systems) each tensor is hashed and written from its
@@ -96,7 +96,8 @@ def _open_for_write(path: str) -> tuple[int, bool]:
 
 
 class _Writer:
-    """The writer thread: takes (stage, nbytes, file offset) jobs, gives the stage back."""
+    """The writer threads (:data:`WRITERS`): take (stage, nbytes, file offset) jobs in any order
+    (each writes its own file range), give the stage back."""
 
     def __init__(self, fd: int, path: str) -> None:
         self.fd, self.path = fd, path
