@@ -39,6 +39,7 @@ STAGE_BYTES = 32 << 20  # 16 MiB measured 1.6x slower on the 1 GB state (bench: 
 STAGES = 4
 WRITERS = 2  # a second write in flight: 0.74x -> 0.77x the ceiling (bench, 3 A/Bs)
 BLOCK = 4096
+HUGE = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
 READ_PIECE = 1 << 20  # hashed while hot: 0.157 s vs 0.169 s a whole chunk at once (1 GB, warm)
 
 
@@ -56,21 +57,45 @@ def one_thread() -> Iterator[None]:
 
 
 class _Stages:
-    """Page-aligned staging buffers, kept for the life of the process (one save at a time)."""
+    """Page-aligned staging buffers, kept for the life of the process (one save at a time).
+
+    They are one private anonymous mapping asked for transparent huge pages
+    (``MADV_HUGEPAGE``; this kernel's default is ``madvise``), each stage starting on a 2 MiB
+    boundary. An ``O_DIRECT`` write is DMA'd from the buffer's physical pages, and the block
+    layer merges only physically adjacent pages into one segment (virtio-blk here: at most 254
+    segments a request), so scattered 4 KiB pages split each write into many small requests.
+    Measured (O_DIRECT + fsync of 1 GB, 6 interleaved repeats): 0.36 s from huge pages against
+    0.52 s from the 4 KiB pages of the same kind of mapping, and 0.39 s from a shared one --
+    the "placement" noise earlier benches saw. Where huge pages are not granted the stages
+    still work, as before.
+    """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self._maps: list[mmap.mmap] = []
+        self._map: mmap.mmap | None = None
         self.tensors: list[torch.Tensor] = []
+        self._views: list[memoryview] = []
 
     def ensure(self) -> None:
-        while len(self._maps) < STAGES:
-            m = mmap.mmap(-1, STAGE_BYTES)
-            self._maps.append(m)
-            self.tensors.append(torch.frombuffer(m, dtype=torch.uint8))
+        if self._map is not None:
+            return
+        size = STAGES * STAGE_BYTES + HUGE
+        flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+        m = mmap.mmap(-1, size, flags=flags) if flags else mmap.mmap(-1, size)
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)  # type: ignore[attr-defined]
+        except (AttributeError, OSError):
+            pass  # no THP here: 4 KiB pages, slower under O_DIRECT but correct
+        whole = torch.frombuffer(m, dtype=torch.uint8)
+        skip = -whole.data_ptr() % HUGE
+        for i in range(STAGES):
+            at = skip + i * STAGE_BYTES
+            self.tensors.append(whole[at : at + STAGE_BYTES])
+            self._views.append(memoryview(m)[at : at + STAGE_BYTES])
+        self._map = m
 
     def view(self, i: int) -> memoryview:
-        return memoryview(self._maps[i])
+        return self._views[i]
 
 
 _stages = _Stages()
