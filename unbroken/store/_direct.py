@@ -84,7 +84,7 @@ class _Stages:
         flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
         m = mmap.mmap(-1, size, flags=flags) if flags else mmap.mmap(-1, size)
         try:
-            m.madvise(mmap.MADV_HUGEPAGE)  # type: ignore[attr-defined]
+            m.madvise(mmap.MADV_HUGEPAGE)
         except (AttributeError, OSError):
             pass  # no THP here: 4 KiB pages, slower under O_DIRECT but correct
         whole = torch.frombuffer(m, dtype=torch.uint8)
