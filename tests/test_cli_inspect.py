@@ -237,6 +237,18 @@ def test_inspect_exit_codes(run, tmp_path, capsys):
     assert code == 0
 
 
+def test_inspect_run_dir_whose_every_checkpoint_is_corrupt_exits_3(run, capsys):
+    # As `ls` and the documented codes: 3 is "no valid checkpoint"; each one's cause is named.
+    for s in (1, 2, 3):
+        flip(os.path.join(ckpt(run, s), "state.json"))
+    code, out, err = cli(capsys, "inspect", run)
+    assert code == 3 and out == ""
+    assert "no valid checkpoint" in err
+    for s in (1, 2, 3):
+        assert ckpt(run, s) in err
+    assert all(os.path.isdir(ckpt(run, s)) for s in (1, 2, 3))  # nothing was removed
+
+
 def test_inspect_never_reads_tensor_data(run, capsys, monkeypatch):
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("inspect read tensor data")

@@ -209,13 +209,23 @@ def _open(path: str, step: int | None, *, checksums: bool) -> CheckpointReader:
     caught = _Collect()
     logger = logging.getLogger("unbroken")
     logger.addHandler(caught)
+    every_one_failed = False
     try:
         found = store.latest(checksums=checksums)
+    except CorruptCheckpointError:
+        # Run refuses to start over on such a directory; for inspect it is "no valid
+        # checkpoint" (exit 3, as ls), each one's cause in the warnings just collected.
+        found, every_one_failed = None, True
     finally:
         logger.removeHandler(caught)
     for record in caught.records:
         text = record.getMessage().removeprefix("unbroken: ")
         print(f"unbroken: warning: {text}", file=sys.stderr)
+    if every_one_failed:
+        raise CheckpointNotFoundError(
+            f"no valid checkpoint in {store.root}: none of its checkpoints can be read (each "
+            "is named above, with why); nothing was changed"
+        )
     if found is None:
         raise CheckpointNotFoundError(f"no valid checkpoint in {store.root}")
     return found
