@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import xxhash
 
+from tests import faults
 from unbroken.state import Counters, GlobalRNG, Registry, _rng
 from unbroken.store import (
     CheckpointReader,
@@ -275,8 +276,7 @@ def _child(run: str, reg: Registry, rng: dict[str, Any], env: dict[str, str]) ->
         _rng.restore(rng)  # os.fork() reseeds Python's global random in the child
         lock = WriterLock(run)
         lock.acquire()
-        os.environ.update(env)
-        _fsops.set_hook(_fsops._env_hook())
+        _fsops.set_hook(faults.hook(env.get(faults.PLAN_ENV), env.get(faults.LOG_ENV)))
         store = CheckpointStore(run, Retention(keep_last=1))
         store.save(2, reg.collect(), {"epoch": 0})
         store.apply_retention(2)

@@ -118,7 +118,7 @@ def test_async_save_failure_on_a_full_disk_is_raised_at_the_next_step(small_disk
     fill(small_disk, leave=300_000)
     r.step()
     r.save()  # snapshot now; the write fails in the background
-    r._async._thread.join()  # type: ignore[union-attr]
+    r._checkpointer.background._thread.join()  # type: ignore[union-attr]
     with pytest.raises(CheckpointWriteError) as ei:
         r.step()
     assert ei.value.errno == errno.ENOSPC and ei.value.step == 1, str(ei.value)
@@ -129,6 +129,8 @@ def test_async_save_failure_on_a_full_disk_is_raised_at_the_next_step(small_disk
 
 _BREAKS = r"""
 import sys, torch, unbroken
+from tests import faults
+faults.install_from_env()
 run = unbroken.Run(sys.argv[1], model=torch.nn.Linear(4, 4), async_save=True, save_every=3,
                    max_steps=100, progress=False)
 for batch in run.loop(range(1000)):

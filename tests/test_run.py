@@ -35,6 +35,7 @@ from unbroken import (
     read_metrics,
 )
 from unbroken.store import CheckpointReader, CheckpointStore, scan
+from unbroken.train import _checkpointer as checkpointer_module
 from unbroken.train import _run as run_module
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -209,6 +210,7 @@ def test_save_every_minutes_uses_wall_time_since_the_last_save(tmp_path, runs, m
     clock = [1000.0]
     fake = types.SimpleNamespace(time=lambda: clock[0], perf_counter=time.perf_counter)
     monkeypatch.setattr(run_module, "time", fake)
+    monkeypatch.setattr(checkpointer_module, "time", fake)
     d = tmp_path / "run"
     run = runs(d, **_net(), save_every_minutes=1, keep_last=None, save_final=False)
     for _ in range(10):
@@ -759,6 +761,7 @@ def test_a_missing_rank_state_is_an_error_not_a_new_rank(tmp_path: Path) -> None
     """A rank beyond the saved world size is new (seeded from (step, rank)); a rank within it
     whose state file is gone makes the checkpoint corrupt."""
     from tests._store_helpers import read_manifest_raw, write_manifest_raw
+    from unbroken.train._resume import Resumer
 
     run = Run(tmp_path, model=torch.nn.Linear(2, 2), progress=False)
     run.save()
@@ -777,7 +780,9 @@ def test_a_missing_rank_state_is_an_error_not_a_new_rank(tmp_path: Path) -> None
     reader = unbroken.CheckpointReader(str(ckpt))
     run = Run(tmp_path / "other", model=torch.nn.Linear(2, 2), progress=False)
     with pytest.raises(unbroken.CorruptCheckpointError, match="no state of rank 0"):
-        run._restore(reader)
+        Resumer(
+            run.store, run.config, run.registry, run.counters, 0, 1, None, lambda m, r: None
+        )._restore(reader)
     run.close()
 
 

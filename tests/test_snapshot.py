@@ -24,6 +24,7 @@ CHILD = textwrap.dedent(
     import os, sys
     sys.path.insert(0, {repo!r})
     from tests._store_helpers import make_registry, train
+    from tests import faults
     from unbroken.store import _fsops
     from unbroken.store._snapshot import SnapshotArea
     area = SnapshotArea(sys.argv[1])
@@ -31,8 +32,7 @@ CHILD = textwrap.dedent(
     train(reg, 1)
     area.save(1, reg.collect(), {{"epoch": 0}})
     train(reg, 1)
-    os.environ.update(UNBROKEN_FAULT="kill:" + sys.argv[2])
-    _fsops.set_hook(_fsops._env_hook())
+    _fsops.set_hook(faults.hook("kill:" + sys.argv[2], os.environ.get(faults.LOG_ENV)))
     area.save(2, reg.collect(), {{"epoch": 0}})
     print("survived", flush=True)
     """

@@ -7,7 +7,6 @@ command, e.g. the supervisor) does not pay for importing torch until it is neede
 from __future__ import annotations
 
 import importlib
-import os as _os
 from typing import TYPE_CHECKING, Any
 
 from ._errors import (
@@ -25,10 +24,11 @@ from ._errors import (
     UnsafeCheckpointError,
 )
 from ._exit import EXIT_RESUMABLE
+from ._protocol import ProcessContext as _ProcessContext
 from ._signals import install_signal_handlers
 from ._version import __version__
 
-if _os.environ.get("UNBROKEN_SUPERVISED") == "1":
+if _ProcessContext.read().supervised:
     # Launched by `unbroken run`: a stop signal from here on (imports, data building, resume)
     # is a resumable exit 75, not a death by signal (docs/resume.md, "Signals").
     install_signal_handlers()

@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import shutil
 
-ENV = "UNBROKEN_SNAPSHOT_DIR"
+from . import _protocol
+
+ENV = _protocol.SNAPSHOT_DIR
 SHM = "/dev/shm"
 
 

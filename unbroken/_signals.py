@@ -2,7 +2,7 @@
 
 One handler per process for SIGTERM, SIGUSR1 and SIGINT, installed by
 :func:`install_signal_handlers` (``import unbroken`` calls it when the supervisor launched the
-process, ``UNBROKEN_SUPERVISED=1``; ``Run(...)`` calls it otherwise) and never removed:
+process, :data:`unbroken._protocol.SUPERVISED`; ``Run(...)`` calls it otherwise) and never removed:
 
 - While a :class:`StopRequest` is active (a ``Run`` that opened, until it closes), a signal only
   records the request; the loop saves at the next step boundary and exits 75. A Python handler
@@ -35,7 +35,7 @@ import time
 from types import FrameType
 from typing import Any
 
-from . import _stops
+from . import _protocol, _stops
 from ._exit import EXIT_RESUMABLE
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -187,7 +187,7 @@ def follow_launcher() -> None:
     of the agent would leave the ranks training on as orphans, holding the run's lock and the
     master port; with this every rank gets a stop at once and they stop together as on a
     preemption: save, exit 75. Called when ``unbroken`` is imported."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+    if not _protocol.ProcessContext.read().under_torchrun or not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
     try:

@@ -2,7 +2,7 @@
 
 A launcher between the supervisor and the ranks loses their exit code: torchrun exits 1 when
 its ranks exit 75 ("saved and stopped, relaunch me"). So a process that stops that way also
-writes ``rank-R.json`` into the directory named by ``UNBROKEN_STOP_DIR`` (set per launch by
+writes a marker into the launch's stop directory (:mod:`unbroken._protocol`: set per launch by
 ``unbroken run`` and ``unbroken verify``), and the launcher of the job reads them: when every
 rank wrote one, the launch stopped resumably whatever the launcher's exit code says. A marker
 is written after the stop's checkpoint committed (the commit is collective: every rank's part
@@ -18,7 +18,9 @@ import logging
 import os
 from typing import Any
 
-ENV = "UNBROKEN_STOP_DIR"
+from . import _protocol
+
+ENV = _protocol.STOP_DIR
 
 _log = logging.getLogger("unbroken.run")
 
@@ -55,7 +57,7 @@ def record(
         "reason": reason,
         "pid": os.getpid(),
     }
-    path = os.path.join(where, f"rank-{rank:05d}.json")
+    path = os.path.join(where, _protocol.STOP_MARKER.format(rank=rank))
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         os.makedirs(where, exist_ok=True)

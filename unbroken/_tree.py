@@ -5,7 +5,7 @@ Torch-free, Linux ``/proc`` (elsewhere a job is its one process). Why not a proc
 never reaches a rank, and ``kill -9`` of the launcher leaves its ranks running. A job here is
 
 - while its first process lives: that process and everything below it (``ppid`` links);
-- afterwards: every process still carrying the job's tag, ``UNBROKEN_JOB=<tag>`` in its
+- afterwards: every process still carrying the job's tag (:data:`unbroken._protocol.JOB_TAG`) in its
   environment (inherited by everything it started), wherever it was reparented to.
 
 A stop signal goes to the first process, to every process of the tree that handles the signal,
@@ -23,9 +23,10 @@ import signal
 import time
 import uuid
 
-TAG_ENV = "UNBROKEN_JOB"
-# Set by torchrun (torch.distributed.elastic) in every worker's environment.
-AGENT_CHILD_ENV = b"TORCHELASTIC_RUN_ID="
+from . import _protocol
+
+TAG_ENV = _protocol.JOB_TAG
+AGENT_CHILD_ENV = f"{_protocol.TORCHRUN_CHILD}=".encode()
 
 
 def new_tag() -> str:

@@ -12,12 +12,18 @@ import argparse
 import math
 import os
 import signal
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
 import unbroken
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests import faults  # noqa: E402
+
+faults.install_from_env()  # a fault plan, when the test that launched this asked for one
 
 
 class Noisy(torch.utils.data.Dataset):

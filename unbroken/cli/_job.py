@@ -18,7 +18,7 @@ import sys
 import tempfile
 from typing import Any
 
-from .. import _stops, _tree
+from .. import _protocol, _stops, _tree
 
 
 def _follow(supervisor: int) -> Any:
@@ -54,7 +54,7 @@ class Launch:
     def __init__(self, cmd: list[str], env: dict[str, str], area: str, n: int) -> None:
         self.tag = _tree.new_tag()
         self.stop_dir = os.path.join(area, f"attempt-{n}")
-        env = {**env, _tree.TAG_ENV: self.tag, _stops.ENV: self.stop_dir}
+        env = _protocol.launch_env(env, job_tag=self.tag, stop_dir=self.stop_dir)
         self.proc = subprocess.Popen(cmd, env=env, preexec_fn=_follow(os.getpid()))
         self.tree = _tree.Tree(self.proc.pid, self.tag)
         # Whether a stop signal was forwarded only to processes with no handler for it (ranks

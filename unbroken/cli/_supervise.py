@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from types import FrameType
 from typing import Any
 
-from .. import _shm
+from .. import _protocol, _shm
 from .._exit import EXIT_FAILURE, EXIT_OK, EXIT_RESUMABLE, EXIT_USAGE
 from . import _job
 
@@ -22,7 +22,7 @@ from . import _job
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 TAG = "unbroken run:"
 
-DESCRIPTION = """Run CMD and keep it running until it finishes.
+DESCRIPTION = f"""Run CMD and keep it running until it finishes.
 
   exit 0            done; unbroken run exits 0
   exit 75           resumable (saved and stopped): relaunch at once; under SLURM,
@@ -39,16 +39,16 @@ Every relaunch counts toward --max-restarts. SIGTERM, SIGINT, SIGUSR1 and SIGHUP
 forwarded to CMD and every process under it that handles them -- under torchrun to every
 rank, not to torchrun itself -- which should save and exit 75; after a stop signal nothing is
 relaunched (under SLURM the job is still requeued). Ctrl-C is not forwarded a second time to
-processes the terminal already delivered it to. CMD sees UNBROKEN_ATTEMPT=<n> (1-based, per
-supervisor) and UNBROKEN_SUPERVISED=1.
+processes the terminal already delivered it to. CMD sees {_protocol.ATTEMPT}=<n> (1-based, per
+supervisor) and {_protocol.SUPERVISED}=1.
 
 Launchers (torchrun): when every rank saved and stopped, the attempt is resumable whatever
-CMD's exit code (torchrun exits 1); each rank says so in UNBROKEN_STOP_DIR. Processes CMD
+CMD's exit code (torchrun exits 1); each rank says so in {_protocol.STOP_DIR}. Processes CMD
 leaves running (the ranks of a killed torchrun, still saving) are waited for, up to --grace
 seconds, before anything is relaunched.
 
 SLURM (SLURM_JOB_ID set, --no-requeue not given): the job requeued is
-${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID} for array jobs, else SLURM_JOB_ID; if
+${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}} for array jobs, else SLURM_JOB_ID; if
 scontrol is missing or fails, the failure is reported and CMD is relaunched in place.
 Use `exec unbroken run ...` in the batch script so `#SBATCH --signal=B:USR1@120` reaches it."""
 
@@ -181,9 +181,7 @@ class Supervisor:
         restarts = crashes = 0
         while True:
             n = len(self.attempts) + 1
-            env = {**os.environ, "UNBROKEN_ATTEMPT": str(n), "UNBROKEN_SUPERVISED": "1"}
-            if self.area is not None:
-                env[_shm.ENV] = self.area
+            env = _protocol.supervised_env(os.environ, attempt=n, snapshot_dir=self.area)
             t0, wall0 = time.monotonic(), time.time()
             self.forwarded, self.received = False, []
             try:

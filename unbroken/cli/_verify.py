@@ -11,9 +11,10 @@ import sys
 from types import FrameType
 from typing import Any
 
+from .. import _protocol
 from .._exit import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 
-DESCRIPTION = """Check that CMD resumes exactly: run it uninterrupted to completion in a fresh
+DESCRIPTION = f"""Check that CMD resumes exactly: run it uninterrupted to completion in a fresh
 run directory (the reference), then again in another one while interrupting it K times
 (SIGKILL and SIGTERM at moments drawn from --seed; with K >= 2 one SIGKILL lands inside a
 save), relaunching it until it exits 0. Then compare every tracked tensor (bitwise, or with
@@ -21,9 +22,9 @@ save), relaunching it until it exits 0. Then compare every tracked tensor (bitwi
 metrics log. Reports PASS, or the first step and the exact component and key that differ,
 with hints at the likely cause.
 
-CMD must use unbroken.Run and take its run directory from the placeholder {run_dir} in its
+CMD must use unbroken.Run and take its run directory from the placeholder {{run_dir}} in its
 arguments (replaced by each run's directory) or from the environment variable
-UNBROKEN_RUN_DIR. UNBROKEN_KEEP_ALL=1 is set so that every checkpoint is kept. CMD must exit
+{_protocol.RUN_DIR}. {_protocol.KEEP_ALL}=1 is set so that every checkpoint is kept. CMD must exit
 0 when complete and 75 when stopped after saving (what unbroken.Run does)."""
 
 EPILOG = """exit codes: 0 PASS, 1 the runs differ or CMD failed, 2 usage error (a bad option or

@@ -79,6 +79,16 @@ class Registry:
     def get(self, name: str) -> Any:
         return self._items[name].obj
 
+    def first(self, name: str, kind: type) -> tuple[str, Any] | tuple[None, None]:
+        """The component called ``name`` if it is a ``kind``, else the first ``kind`` tracked
+        (the run's model, optimizer and EMA are found this way)."""
+        if name in self._items and isinstance(self._items[name].obj, kind):
+            return name, self._items[name].obj
+        for c in self:
+            if isinstance(c.obj, kind):
+                return c.name, c.obj
+        return None, None
+
     def modules(self) -> dict[str, torch.nn.Module]:
         return {c.name: c.obj for c in self if isinstance(c.obj, torch.nn.Module)}
 

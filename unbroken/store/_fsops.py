@@ -1,21 +1,15 @@
 """Every filesystem operation of a save, each announced as a named event first.
 
-The events make fault injection exact: a test can kill the process (or raise ENOSPC, EIO, ...)
-at the k-th event of a real save and assert that every event point was reached. Without a hook
-an event costs one ``is None`` check.
-
-Environment (read once, for tests that run a save in a subprocess):
-``UNBROKEN_FAULT_LOG=FILE`` appends one line per event; ``UNBROKEN_FAULT=kill:K`` SIGKILLs the
-process at event K (1-based); ``UNBROKEN_FAULT=errno:NAME:EVENT[:N]`` raises OSError(NAME) at
-the N-th event called EVENT.
+The events make fault injection exact: a test installs a hook (:func:`set_hook`; the tests'
+``tests/faults.py``) that kills the process (or raises ENOSPC, EIO, ...) at the k-th event of a
+real save, and asserts that every event point was reached. The library never installs one:
+without a hook an event costs one ``is None`` check.
 """
 
 from __future__ import annotations
 
-import errno as _errno
 import os
 import shutil
-import signal
 from collections.abc import Callable
 
 import xxhash
@@ -34,37 +28,6 @@ def set_hook(hook: Hook | None) -> Hook | None:
 def event(name: str, path: str) -> None:
     if _hook is not None:
         _hook(name, path)
-
-
-def _env_hook() -> Hook | None:
-    log, plan = os.environ.get("UNBROKEN_FAULT_LOG"), os.environ.get("UNBROKEN_FAULT")
-    if not log and not plan:
-        return None
-    counts: dict[str, int] = {}
-    total = [0]
-
-    def hook(name: str, path: str) -> None:
-        total[0] += 1
-        counts[name] = counts.get(name, 0) + 1
-        if log:
-            with open(log, "a") as f:
-                f.write(f"{total[0]}\t{name}\t{os.path.basename(path)}\n")
-        if not plan:
-            return
-        kind, _, rest = plan.partition(":")
-        if kind == "kill" and int(rest) == total[0]:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if kind == "errno":
-            code, _, where = rest.partition(":")
-            ev, _, nth = where.partition(":")
-            if ev == name and counts[name] == int(nth or 1):
-                num = getattr(_errno, code)
-                raise OSError(num, os.strerror(num), path)
-
-    return hook
-
-
-_hook = _env_hook()
 
 
 class HashingWriter:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import random
 import warnings
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,10 +21,8 @@ import torch.utils.data as tud
 
 from .._errors import ConfigError, ResumeWarning, StateError
 from ..data._contract import is_loader
+from ..state import Registry
 from ..state._adapters import unwrap
-
-if TYPE_CHECKING:
-    from ._run import Run
 
 log = logging.getLogger("unbroken.run")
 
@@ -82,10 +81,10 @@ def refuse_untrackable(obj: Any) -> None:
         raise ConfigError(_no_position(obj))
 
 
-def check_loop_source(run: Run, source: Any) -> None:
+def check_loop_source(registry: Registry, source: Any) -> None:
     """What ``run.loop(source)`` iterates must resume where it stopped: a tracked loader, or
     something with no position at all (``range(n)``, a synthetic generator)."""
-    tracked = [c for c in run.registry if c.obj is source]
+    tracked = [c for c in registry if c.obj is source]
     if tracked:
         return
     if _plain_loader(source) or _plain_sampler(source):
@@ -115,16 +114,16 @@ def _attributes(obj: Any) -> list[tuple[str, Any]]:
 # ---- random draws between Run() and the loop -------------------------------------------------
 
 
-def _streams(run: Run) -> dict[str, Any]:
+def _streams(registry: Registry) -> dict[str, Any]:
     """A comparable fingerprint of every random stream a checkpoint restores."""
     out: dict[str, Any] = {}
-    if "rng" in run.registry:
+    if "rng" in registry:
         out["the torch global RNG (torch.rand, dropout)"] = torch.get_rng_state().numpy().tobytes()
         out["the NumPy global RNG (np.random.*)"] = _np_key(np.random.get_state())
         out["the Python global RNG (random.*)"] = random.getstate()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             out["the CUDA RNG"] = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
-    for c in run.registry:
+    for c in registry:
         if getattr(c.adapter, "kind", None) == "generator":
             out[f"the tracked generator {c.name!r}"] = repr(c.adapter.state_dict())
     return out
@@ -149,11 +148,11 @@ def _python_draws(before: Any, after: Any, limit: int = 4096) -> int | None:
 # ---- module state outside the state_dict ------------------------------------------------------
 
 
-def _hidden(run: Run) -> dict[str, tuple[str, Any]]:
+def _hidden(registry: Registry) -> dict[str, tuple[str, Any]]:
     """What tracked modules hold outside their state_dict: non-persistent buffers, tensor and
     number attributes -- name -> (what, a fingerprint that changes when it is updated)."""
     out: dict[str, tuple[str, Any]] = {}
-    for comp, module in run.registry.modules().items():
+    for comp, module in registry.modules().items():
         for path, sub in unwrap(module).named_modules():
             prefix = f"{comp}.{path}." if path else f"{comp}."
             for b in getattr(sub, "_non_persistent_buffers_set", ()):
@@ -180,11 +179,12 @@ def _tensor_mark(t: torch.Tensor) -> Any:
 
 
 class Audit:
-    """The start-up audit of one Run: created once the Run has resumed (or started fresh)."""
+    """The start-up audit of one Run: created once the Run has resumed (or started fresh).
+    ``record(check, **fields)`` puts what it finds into the metrics log (as ``audit``)."""
 
-    def __init__(self, run: Run) -> None:
-        self.run = run
-        self._streams: dict[str, Any] | None = _streams(run)
+    def __init__(self, registry: Registry, *, resumed: bool, record: Callable[..., None]) -> None:
+        self.registry, self.resumed, self.record = registry, resumed, record
+        self._streams: dict[str, Any] | None = _streams(registry)
         self._steps_started = 0
         self._hidden: dict[str, tuple[str, Any]] | None = None
 
@@ -194,10 +194,10 @@ class Audit:
         first does not count) is not saved, so a resume would restart it."""
         self._steps_started += 1
         if self._steps_started == 2:
-            self._hidden = _hidden(self.run)
+            self._hidden = _hidden(self.registry)
         elif self._steps_started == 3 and self._hidden is not None:
             before, self._hidden = self._hidden, None
-            after = _hidden(self.run)
+            after = _hidden(self.registry)
             changed = [
                 (n, what)
                 for n, (what, mark) in before.items()
@@ -214,16 +214,16 @@ class Audit:
                 ResumeWarning,
                 stacklevel=5,
             )
-            self.run._log_event("audit", check="hidden_state", names=[n for n, _ in changed])
+            self.record("hidden_state", names=[n for n, _ in changed])
 
     def loop_started(self, source: Any = None, *, check_source: bool = False) -> None:
         """At the first step start of ``run.loop()`` / the first epoch of ``run.epochs()``."""
         if check_source:
-            check_loop_source(self.run, source)
+            check_loop_source(self.registry, source)
         if self._streams is None:
             return
         before, self._streams = self._streams, None
-        after = _streams(self.run)
+        after = _streams(self.registry)
         moved = [name for name, state in before.items() if after.get(name) != state]
         if not moved:
             return
@@ -232,7 +232,7 @@ class Audit:
         count = (
             f" (the Python one by {words} 32-bit words; random.random() takes 2)" if words else ""
         )
-        where = "resumed" if self.run.resumed_from is not None else "started"
+        where = "resumed" if self.resumed else "started"
         warnings.warn(
             f"{' and '.join(moved)} advanced between Run() and the start of the loop{count}: "
             f"the run {where} its random streams at Run(), and a resume restores them there, "
@@ -242,7 +242,7 @@ class Audit:
             ResumeWarning,
             stacklevel=4,
         )
-        self.run._log_event("audit", check="rng_after_run", streams=moved)
+        self.record("rng_after_run", streams=moved)
 
 
 # ---- the optimizer and model a model change replaced -----------------------------------------

@@ -35,8 +35,8 @@ class RunConfig:
     time_margin: float = 10.0
     """Seconds of slack kept before the budget ends, on top of a step and a save."""
     keep_last: int | None = 3
-    """Keep the newest N checkpoints (None keeps all). The environment variable
-    ``UNBROKEN_KEEP_ALL=1`` overrides it with None (``unbroken verify`` sets it)."""
+    """Keep the newest N checkpoints (None keeps all). ``unbroken verify`` keeps them all in the
+    runs it launches, and says so."""
     keep_every: int | None = None
     """Also keep checkpoints whose step is a multiple of this."""
     max_steps: int | None = None
@@ -114,9 +114,6 @@ class RunConfig:
             raise ConfigError(
                 f"start_over=True starts fresh; it cannot be combined with resume={self.resume!r}"
             )
-        if os.environ.get("UNBROKEN_KEEP_ALL") == "1":
-            # Set by `unbroken verify`, which compares the runs at every checkpoint step.
-            self.keep_last = None
         self.allow_missing = tuple(self.allow_missing)
         self.allow_unexpected = tuple(self.allow_unexpected)
         every = self.snapshot_every

@@ -18,18 +18,32 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from .._errors import ConfigError, StateError
-from ..state import EMA
+from .._errors import ConfigError
+from ..state import EMA, Counters, Registry
 from ..state._adapters import unwrap
-from . import _audit, _staging
+from . import _staging
+from ._audit import Audit
+from ._config import RunConfig
 from ._settings import KNOWN, Settings, Values
 
-if TYPE_CHECKING:
-    from ._run import Run
+
+class RunView(Protocol):
+    """What a callback reaches through ``ctx.run``: the :class:`unbroken.Run` itself."""
+
+    dir: str
+    counters: Counters
+
+    @property
+    def model(self) -> Any: ...
+
+    @property
+    def optimizer(self) -> Any: ...
+
+    def save(self, *, blocking: bool | None = None) -> str: ...
 
 
 @dataclass
@@ -44,17 +58,33 @@ class StepContext:
     optimizer: torch.optim.Optimizer | None
     settings: Values
     stage: Any
-    run: Run
+    run: RunView
 
 
 Callback = Callable[[StepContext], Any]
+EndEpoch = Callable[[int, bool], None]
+"""``end_epoch(next_epoch, last)``: the run counts an epoch that ended (and may save)."""
 
 
 class Stepper:
-    def __init__(self, run: Run) -> None:
-        self.run = run
-        cfg = run.config
-        self.settings: Settings = cfg.settings or Settings()
+    """Step starts of ``run.loop()``: events, settings, callbacks and model changes.
+
+    Given what it works on (components, counters, options, the audit, the model swap) rather
+    than the run; ``view`` is only handed on to callbacks as ``ctx.run``.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        counters: Counters,
+        config: RunConfig,
+        audit: Audit,
+        swap: _staging.ModelSwap,
+        view: RunView,
+    ) -> None:
+        self.registry, self.counters, self.config = registry, counters, config
+        self.audit, self.swap, self.view = audit, swap, view
+        self.settings: Settings = config.settings or Settings()
         self.values: Values = self.settings.at(0, 0)
         self.known = set(KNOWN) | set(self.settings.keys())
         self.accumulating = False
@@ -65,45 +95,44 @@ class Stepper:
 
     # ---- components -----------------------------------------------------------------------------
 
-    def _first(self, name: str, kind: type) -> tuple[str, Any] | tuple[None, None]:
-        reg = self.run.registry
-        if name in reg and isinstance(reg.get(name), kind):
-            return name, reg.get(name)
-        for c in reg:
-            if isinstance(c.obj, kind):
-                return c.name, c.obj
-        return None, None
-
     def model(self) -> torch.nn.Module | None:
-        return self._first("model", torch.nn.Module)[1]
+        return self.registry.first("model", torch.nn.Module)[1]
 
     def optimizer(self) -> torch.optim.Optimizer | None:
-        return self._first("optimizer", torch.optim.Optimizer)[1]
+        return self.registry.first("optimizer", torch.optim.Optimizer)[1]
 
     def ema(self) -> EMA | None:
-        return self._first("ema", EMA)[1]
+        return self.registry.first("ema", EMA)[1]
 
     # ---- the loop -------------------------------------------------------------------------------
 
-    def loop(self, loader: Iterable[Any], epochs: int | None) -> Iterator[Any]:
-        run = self.run
-        run._audit.loop_started(loader, check_source=True)
+    def loop(
+        self,
+        loader: Iterable[Any],
+        epochs: int | None,
+        *,
+        end_epoch: EndEpoch,
+        halted: Callable[[], bool],
+    ) -> Iterator[Any]:
+        """Micro-batches of ``loader`` across epochs; ``halted()`` says when the run is done
+        or stopped, ``end_epoch`` counts each epoch that ends."""
+        self.audit.loop_started(loader, check_source=True)
         it: Iterator[Any] | None = None
         left = step_batches = 0
         empty_passes = 0
         while True:
             if left == 0:
-                if run.done or run.stopped:
+                if halted():
                     break
                 if _finished(loader):
                     it = None
                     nxt = self._advance(loader)
-                    run._end_epoch(nxt, last=_reached(epochs, nxt))
-                if epochs is not None and run.counters.epoch >= epochs:
+                    end_epoch(nxt, _reached(epochs, nxt))
+                if epochs is not None and self.counters.epoch >= epochs:
                     break
                 left = step_batches = self.begin_step(loader)
             if it is None:
-                if run.config.on_epoch_start is not None and self._epoch_begins(loader):
+                if self.config.on_epoch_start is not None and self._epoch_begins(loader):
                     # The step's micro-batches reach into a new epoch (grad_accum > 1): the
                     # step that consumes its first sample is this one (issue 17).
                     self._epoch_start(loader, mid_step=left < step_batches)
@@ -120,12 +149,12 @@ class Stepper:
                 if empty_passes > 1:
                     raise ConfigError("the loader yielded no batch for a whole epoch") from None
                 nxt = self._advance(loader)
-                run._end_epoch(nxt, last=_reached(epochs, nxt))
-                if epochs is not None and run.counters.epoch >= epochs:
+                end_epoch(nxt, _reached(epochs, nxt))
+                if epochs is not None and self.counters.epoch >= epochs:
                     break
                 continue
             empty = False
-            run.counters.epoch = getattr(loader, "epoch", run.counters.epoch)
+            self.counters.epoch = getattr(loader, "epoch", self.counters.epoch)
             left -= 1
             self.accumulating = left > 0
             yield batch
@@ -133,10 +162,9 @@ class Stepper:
 
     def begin_step(self, loader: Any) -> int:
         """Events and settings of the step that starts now; returns its micro-batch count."""
-        run, c = self.run, self.run.counters
+        c, cfg = self.counters, self.config
         epoch = getattr(loader, "epoch", c.epoch) if loader is not None else c.epoch
-        cfg = run.config
-        run._audit.step_started()
+        self.audit.step_started()
         if cfg.on_epoch_start is not None and self._epoch_begins(loader):
             self._epoch_start(loader, mid_step=False)
         if cfg.before_step is not None:
@@ -150,7 +178,7 @@ class Stepper:
 
     def _epoch_begins(self, loader: Any) -> bool:
         """The next batch is the first of its epoch, whose on_epoch_start has not run."""
-        c = self.run.counters
+        c = self.counters
         epoch = getattr(loader, "epoch", c.epoch) if loader is not None else c.epoch
         if epoch == self._started_epoch:
             return False
@@ -162,10 +190,10 @@ class Stepper:
         return c.step == 0 if self._new_pass is None else self._new_pass
 
     def _epoch_start(self, loader: Any, *, mid_step: bool) -> None:
-        c = self.run.counters
+        c = self.counters
         epoch = getattr(loader, "epoch", c.epoch) if loader is not None else c.epoch
         self._started_epoch, self._new_pass = epoch, False
-        result = self.run.config.on_epoch_start(self._context(epoch))  # type: ignore[misc]
+        result = self.config.on_epoch_start(self._context(epoch))  # type: ignore[misc]
         if mid_step:
             change = _staging.as_change(result, "on_epoch_start", self.known)
             if change is not None and change.model is not None:
@@ -181,14 +209,14 @@ class Stepper:
 
     def _advance(self, loader: Any) -> int:
         self._new_pass = True
-        return _advance(self.run, loader)
+        return _advance(self.counters, loader)
 
     def _context(self, epoch: int) -> StepContext:
-        c = self.run.counters
+        c = self.counters
         values = self.settings.at(c.step, epoch, c.overrides)
         model = self.model()
         inner = unwrap(model) if model is not None else None
-        return StepContext(c.step, epoch, inner, self.optimizer(), values, c.stage, self.run)
+        return StepContext(c.step, epoch, inner, self.optimizer(), values, c.stage, self.view)
 
     def _apply_values(self, loader: Any) -> None:
         v = self.values
@@ -208,7 +236,7 @@ class Stepper:
         change = _staging.as_change(result, where, self.known)
         if change is None:
             return
-        c = self.run.counters
+        c = self.counters
         if change.config:
             c.overrides = {**c.overrides, **change.config}
         if change.model is not None:
@@ -218,70 +246,14 @@ class Stepper:
                     "unbroken.Change(model=..., stage=...) so that a resumed run can rebuild "
                     "this model with model_factory(stage)"
                 )
-            if self.run.config.model_factory is None:
+            if self.config.model_factory is None:
                 raise ConfigError(
                     f"{where} returned a new model but Run has no model_factory; pass "
                     "model_factory=build(stage) so that a resume can rebuild it"
                 )
-            self.swap_model(change.model, reason=where)
+            self.swap(change.model, where)
         if change.stage is not None:
             c.stage = change.stage
-
-    def swap_model(self, new: torch.nn.Module, *, reason: str) -> _staging.Remap:
-        """Replace the model; rebuild the optimizer by name, carry and grow state and the EMA."""
-        run, cfg = self.run, self.run.config
-        model_name, tracked = self._first("model", torch.nn.Module)
-        if model_name is None or tracked is None:
-            raise ConfigError("a model change needs a tracked nn.Module component")
-        old = unwrap(tracked)
-        new = unwrap(new)
-        remap = _staging.classify(_staging.shapes(old), _staging.shapes(new), cfg.grow)
-        opt_name, old_opt = self._first("optimizer", torch.optim.Optimizer)
-        if old_opt is not None and opt_name is not None:
-            new_opt = _staging.rebuild_optimizer(old_opt, old, new, cfg.optimizer_factory)
-            _staging.carry_optimizer_state(old_opt, old, new_opt, new, cfg.grow)
-            self._repoint_schedulers(old_opt, new_opt)
-            run.registry.replace(opt_name, new_opt)
-        # The script's own variables still point at the old ones: never train them silently.
-        _audit.retire(old_opt, old, new, run.counters.step)
-        ema = self.ema()
-        if ema is not None and unwrap(ema.model) is old:
-            _staging.grow_ema(ema, new, cfg.grow)
-        run.registry.replace(model_name, _rewrap(tracked, new, cfg.wrap_model))
-        run._log_event("model_changed", reason=reason, **remap.summary())
-        return remap
-
-    def _repoint_schedulers(self, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
-        for comp in self.run.registry:
-            sched = comp.obj
-            if getattr(sched, "optimizer", None) is old:
-                if len(old.param_groups) != len(new.param_groups):
-                    raise StateError(
-                        f"LR scheduler {comp.name!r} drives an optimizer whose param groups "
-                        "changed in number; use the lr setting instead of a torch scheduler"
-                    )
-                sched.optimizer = new
-
-
-def _rewrap(
-    tracked: torch.nn.Module,
-    new: torch.nn.Module,
-    wrap: Callable[[torch.nn.Module], torch.nn.Module] | None,
-) -> torch.nn.Module:
-    """Wrap a new model like the old one was: ``wrap_model`` if given, else DDP like before."""
-    if wrap is not None:
-        return wrap(new)
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    if isinstance(tracked, DDP):
-        return DDP(
-            new,
-            device_ids=tracked.device_ids,
-            output_device=tracked.output_device,
-            broadcast_buffers=tracked.broadcast_buffers,
-            find_unused_parameters=tracked.find_unused_parameters,
-        )
-    return new
 
 
 def _finished(loader: Any) -> bool:
@@ -289,9 +261,9 @@ def _finished(loader: Any) -> bool:
     return bool(check()) if callable(check) else False
 
 
-def _advance(run: Run, loader: Any) -> int:
+def _advance(counters: Counters, loader: Any) -> int:
     """Move ``loader`` to its next epoch (its iterator ended); returns that epoch."""
-    nxt = getattr(loader, "epoch", run.counters.epoch) + 1
+    nxt = getattr(loader, "epoch", counters.epoch) + 1
     if callable(getattr(loader, "set_epoch", None)):
         loader.set_epoch(nxt)
     return int(nxt)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from tqdm import tqdm
@@ -31,22 +30,6 @@ class Progress:
 
     def close(self) -> None:
         self._bar.close()
-
-
-def next_save_text(cfg: Any, step: int, last_save_wall: float, deadline: float | None) -> str:
-    """The save triggers the bar can predict: "next save in 12 steps, 4.5 min", and when a
-    time limit will stop (and save) the run."""
-    parts, now = [], time.time()
-    if cfg.save_every:
-        parts.append(f"{cfg.save_every - step % cfg.save_every} steps")
-    if cfg.save_every_minutes is not None:
-        left = cfg.save_every_minutes * 60 - (now - last_save_wall)
-        parts.append(f"{max(0.0, left) / 60:.1f} min")
-    text = f"next save in {', '.join(parts)}" if parts else ""
-    if deadline is not None:
-        left = deadline - cfg.time_margin - now
-        text += f"{'; ' if text else ''}stop and save in {max(0.0, left) / 60:.1f} min"
-    return text
 
 
 def steps_for_epochs(loader: Any, counters: Any, num_epochs: int) -> int | None:

@@ -12,6 +12,20 @@ Order of events (the contract; docs/resume.md repeats it)::
                                 on a signal or the time budget: save, exit 75
         <epoch end>             count the epoch; save if save_on_epoch_end
     <end of epochs()/loop()>    finish(): final save, release the lock
+
+``Run`` is a facade: it owns the components (a :class:`~unbroken.state.Registry`), the
+counters and the options, and calls its collaborators in the order above. Each collaborator
+gets what it works on, never the run:
+
+1. :class:`~._events.Events` -- log records, the metrics log, the ``on_save``/``on_resume``
+   hooks;
+2. :class:`~._checkpointer.Checkpointer` -- the writer lock, synchronous and background saves,
+   retention, in-memory snapshots;
+3. :class:`~._resume.Resumer` -- which checkpoint to continue from, and loading it (through
+   :class:`~._staging.ModelSwap` when it is of another stage);
+4. :class:`~._audit.Audit` -- start-up and loop-start checks;
+5. :class:`~._loop.Stepper` -- step starts of ``run.loop()``: settings, callbacks, model changes;
+6. :mod:`._triggers` -- pure functions: does this step save, stop, or neither.
 """
 
 from __future__ import annotations
@@ -24,24 +38,26 @@ from typing import Any
 
 import torch
 
-from .. import _dist, _stops
+from .. import _dist, _log, _stops
 from .._errors import ConfigError
 from .._exit import EXIT_RESUMABLE
+from .._protocol import ProcessContext
 from ..data._contract import check_world, is_loader
-from ..data._seeding import derive, seed_globals
 from ..state import Counters, GlobalRNG, Registry
-from ..store import AsyncSaver, CheckpointReader, CheckpointStore, Retention, WriterLock, step_name
+from ..store import Retention
+from . import _triggers
 from ._audit import Audit, refuse_untrackable
-from ._choose import choose_checkpoint, restore, restore_or_fall_back
+from ._checkpointer import Checkpointer
 from ._config import RunConfig, deadline, option_hint, split_arguments
 from ._events import Events
 from ._loop import Stepper
-from ._metrics import MetricsLog
-from ._progress import Progress, next_save_text, steps_for_epochs
+from ._progress import Progress, steps_for_epochs
+from ._resume import Resumer
 from ._signals import StopRequest, install_signal_handlers, process_start
-from ._snapshots import Snapshots
+from ._staging import ModelSwap
 
 _RESERVED = ("counters", "rng")
+log = _log.get("run")
 
 
 class Run:
@@ -70,100 +86,86 @@ class Run:
         **kwargs: Any,
     ) -> None:
         self.config, kwargs = split_arguments(config, components, kwargs)
+        cfg = self.config
         self.dir = os.path.abspath(os.fspath(run_dir))
         self.rank, self.world_size = _dist.rank(), _dist.world_size()
-        self.counters = Counters(stage=self.config.stage)
-        self.registry = Registry()
-        for name, obj in kwargs.items():
-            if name in _RESERVED:
-                raise ConfigError(f"component name {name!r} is reserved by unbroken; rename it")
-            try:
-                refuse_untrackable(obj)
-                self.registry.add(name, obj)
-            except ConfigError as e:
-                raise ConfigError(f"Run keyword {name!r}: {e}{option_hint(name)}") from None
-            if is_loader(obj):
-                check_world(name, obj, self.rank, self.world_size)
-        self.registry.add("counters", self.counters)
-        self.registry.check_untracked_parameters()
-        if self.config.track_rng:
-            self.registry.add("rng", GlobalRNG())
-        self.store = CheckpointStore(
-            self.dir, Retention(self.config.keep_last, self.config.keep_every)
+        self.counters = Counters(stage=cfg.stage)
+        self.registry = _track(kwargs, self.counters, cfg, self.rank, self.world_size)
+        process = ProcessContext.read()
+        self._events = Events(self.dir, self.counters, on_save=cfg.on_save, on_resume=cfg.on_resume)
+        self._checkpointer = Checkpointer(
+            self.dir,
+            _retention(cfg, process, self.rank),
+            self._events,
+            rank=self.rank,
+            snapshot_dir=process.snapshot_dir,
+            snapshot_every=cfg.snapshot_every,
         )
-        self._lock = WriterLock(self.dir)
+        self.store = self._checkpointer.store
+        self._swap = ModelSwap(
+            self.registry,
+            self.counters,
+            grow=cfg.grow,
+            optimizer_factory=cfg.optimizer_factory,
+            wrap_model=cfg.wrap_model,
+            on_changed=self._events.model_changed,
+        )
         self._stop = StopRequest()
-        self._metrics: MetricsLog | None = None
         self._progress: Progress | None = None
         self._closed = False
-        self.resumed_from: int | None = None
-        self._stepper = Stepper(self)
-        self._async: AsyncSaver | None = None
         self.stopped = False
-        self.last_saved_step: int | None = None
-        self.last_save_seconds: float | None = None
-        self._events = Events(self)
+        self.resumed_from: int | None = None
         self._open()
-        self._audit = Audit(self)  # once resumed: what the loop start is compared with
+        self._audit = Audit(
+            self.registry, resumed=self.resumed_from is not None, record=self._events.audit
+        )
+        self._stepper = Stepper(self.registry, self.counters, cfg, self._audit, self._swap, self)
 
     # ---- start-up -----------------------------------------------------------------------------
 
     def _open(self) -> None:
-        if self.config.handle_signals:
+        cfg = self.config
+        if cfg.handle_signals:
             # From now to process exit; until training starts a stop signal exits 75 at once
             # (resuming is not training: nothing is lost).
             install_signal_handlers()
-        if self.rank == 0:
-            os.makedirs(self.dir, exist_ok=True)
-            self._lock.acquire()
-            try:
-                self.store.clean_stale()
-            except BaseException:
-                self._lock.release()
-                raise
-        _dist.barrier()
+        self._checkpointer.open()
         try:
-            self._snapshots = Snapshots(self, self.config.snapshot_every)
-            reader = choose_checkpoint(self)
-            if reader is not None:
-                restore_or_fall_back(self, reader)
-            elif self.config.seed is not None:
-                seed_globals(derive(self.config.seed, self.rank))
-            if self.rank == 0 and self.config.metrics:
+            resumer = Resumer(
+                self.store,
+                cfg,
+                self.registry,
+                self.counters,
+                self.rank,
+                self.world_size,
+                self._checkpointer.snapshots,
+                self._swap,
+            )
+            self.resumed_from = resumer.resume()
+            if self.rank == 0 and cfg.metrics:
                 # A metrics log that cannot be opened (a planted symlink, a FIFO, a full
                 # disk) fails the start like a checkpoint would: the lock is released.
-                self._metrics = MetricsLog(
-                    self.dir, self.counters.metrics_offset, self.resumed_from
-                )
-                if self.resumed_from is not None:
-                    self._metrics.event("resume", step=self.counters.step)
+                self._events.open_metrics(self.counters.metrics_offset, self.resumed_from)
             if self.resumed_from is not None:
                 self._events.resumed(self.resumed_from, self._path(self.resumed_from))
+            if resumer.extended_to is not None:
+                self._events.extended(resumer.extended_to)
         except BaseException:
             self.close()
             raise
-        self.last_saved_step = self.resumed_from
-        if self.config.async_save:
-            group = _dist.new_cpu_group() if self.world_size > 1 else None
-            self._async = AsyncSaver(self.store, group)
+        self._checkpointer.start(
+            world_size=self.world_size, async_save=cfg.async_save, resumed_from=self.resumed_from
+        )
         self._marks = self._loader_marks()
         self._epoch_save_pending = False
-        self._start_wall = time.time()
-        self._last_tick = time.perf_counter()
-        self._last_save_wall = self._start_wall
-        self._step_seconds: float | None = None
+        self._pace = _triggers.Pace()
         # The budget is the process's: counted from its start, imports and resume included.
-        self._deadline = deadline(process_start(), self.config)
-        if self.config.handle_signals:
+        self._deadline = deadline(process_start(), cfg)
+        if cfg.handle_signals:
             self._stop.install()
-        show = self.config.progress
-        if show is None:
-            show = sys.stderr.isatty()
+        show = sys.stderr.isatty() if cfg.progress is None else cfg.progress
         if show and self.rank == 0:
-            self._progress = Progress(self.config.max_steps, self.counters.step)
-
-    def _restore(self, reader: CheckpointReader) -> None:
-        restore(self, reader)
+            self._progress = Progress(cfg.max_steps, self.counters.step)
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -179,53 +181,82 @@ class Run:
         Returns True when the loop should end (complete, or stopped with ``exit_on_stop=False``).
         """
         c = self.counters
-        if self._async is not None:
-            self._async.check()  # a background save that failed is raised at the next step
-            self._events.deliver()  # on_save of a background save that committed since
-        now = time.perf_counter()
-        dt = now - self._last_tick
-        self._last_tick = now
+        self._checkpointer.check()  # a background save that failed is raised at the next step
+        dt = self._pace.tick()
         c.step += 1
         c.train_seconds += dt
-        self._step_seconds = dt if self._step_seconds is None else max(0.8 * self._step_seconds, dt)
         marks = self._loader_marks()
         c.samples += marks[1] - self._marks[1]
         self._marks = marks
-        signalled, out_of_time, minutes_due, loss = self._agree(loss)
-        if self._metrics is not None:
-            record: dict[str, Any] = {"step": c.step, "epoch": c.epoch}
-            if loss is not None:
-                record["loss"] = loss
-            record.update(scalars)
-            self._metrics.step(record)
+        clock = self._clock()
+        seen = _triggers.observe(self.config, clock, self._stop.requested)
+        seen, loss = self._agree(seen, loss)
+        record: dict[str, Any] = {"step": c.step, "epoch": c.epoch}
+        if loss is not None:
+            record["loss"] = loss
+        record.update(scalars)
+        self._events.log_step(record)
         if self._progress is not None:
-            self._progress.update(c.step, loss, self._next_save_text())
-        stop_reason = None
-        if signalled:
-            stop_reason = f"signal {self._stop.name or 'on another rank'}"
-        elif out_of_time:
-            stop_reason = "time limit"
-        every = self.config.save_every
-        save = stop_reason is not None or minutes_due or self._epoch_save_pending
-        save = save or bool(every and c.step % every == 0)
+            self._progress.update(
+                c.step, loss, _triggers.next_save_text(self.config, c.step, clock)
+            )
+        decision = _triggers.decide(
+            self.config,
+            c.step,
+            seen,
+            complete=self.done,
+            epoch_save_pending=self._epoch_save_pending,
+            signal_name=self._stop.name,
+        )
         self._epoch_save_pending = False
-        if self.done and self.config.save_final:
+        stop = decision.stop
+        if decision.final:
             c.complete = True
-            save = True
-        if stop_reason is not None and self._metrics is not None:
+        if stop is not None:
             # Logged before the save, so the checkpoint's log length includes it and a resume
             # (which truncates the log to that length) keeps it.
-            self._metrics.event("stop", step=c.step, reason=stop_reason)
-        if save:
+            self._events.record("stop", reason=stop)
+        if decision.save:
             # A stop's checkpoint must be committed before the process exits.
-            self.save(blocking=stop_reason is not None)
-        if stop_reason is None:
-            self._snapshots.after_step(c.step, saved=save)
-        if stop_reason is None and self._stop.deferred is not None:
-            stop_reason = "a second Ctrl-C, deferred until the save committed"
-        if stop_reason is not None:
-            return self._halt(stop_reason)
+            self.save(blocking=stop is not None)
+        else:
+            self._pace.exclude(
+                self._checkpointer.after_step(
+                    c.step, False, self._snapshot_state, self._pace.estimate
+                )
+            )
+        if stop is None and self._stop.deferred is not None:
+            stop = "a second Ctrl-C, deferred until the save committed"
+        if stop is not None:
+            return self._halt(stop)
         return self.done
+
+    def _clock(self) -> _triggers.Clock:
+        return _triggers.Clock(
+            now=time.time(),
+            last_save=self._checkpointer.last_save_wall,
+            step_seconds=self._pace.estimate,
+            save_seconds=self._checkpointer.last_save_seconds,
+            deadline=self._deadline,
+        )
+
+    def _agree(self, seen: _triggers.Seen, loss: Any) -> tuple[_triggers.Seen, Any]:
+        """The triggers' flags and the logged loss, agreed on by every rank.
+
+        Each rank may see a signal or a clock the others do not; one all-reduce makes every
+        rank stop and save at the same step (no rank left waiting in a collective). The logged
+        loss is the mean over ranks.
+        """
+        shown = self._events.metrics is not None or self._progress is not None
+        if isinstance(loss, torch.Tensor) and (shown or self.world_size > 1):
+            # .item() waits for the device: only when the value is logged, shown or averaged.
+            loss = loss.detach().float().mean().item()
+        if self.world_size == 1:
+            return seen, loss
+        flags = [float(seen.signalled), float(seen.out_of_time), float(seen.minutes_due)]
+        total = _dist.sum_floats([*flags, float(loss) if loss is not None else 0.0])
+        mean = total[3] / self.world_size if loss is not None else None
+        return _triggers.Seen(total[0] > 0, total[1] > 0, total[2] > 0), mean
 
     def _loader_marks(self) -> tuple[int, int]:
         """(batches, samples) yielded so far by the first tracked loader (the training one)."""
@@ -233,36 +264,6 @@ class Run:
         if not loaders:
             return (0, 0)
         return (loaders[0].yielded_batches, loaders[0].yielded_samples)
-
-    def _agree(self, loss: Any) -> tuple[bool, bool, bool, Any]:
-        """(signalled, out of time, a timed save due, loss), agreed on by every rank.
-
-        Each rank may see a signal or a clock the others do not; one all-reduce makes every
-        rank stop and save at the same step (no rank left waiting in a collective). The logged
-        loss is the mean over ranks.
-        """
-        signalled = self._stop.requested
-        out_of_time = False
-        if self._deadline is not None:
-            need = (self._step_seconds or 0.0) + (self.last_save_seconds or 0.0)
-            out_of_time = time.time() + need + self.config.time_margin >= self._deadline
-        minutes = self.config.save_every_minutes
-        minutes_due = minutes is not None and time.time() - self._last_save_wall >= minutes * 60
-        shown = self._metrics is not None or self._progress is not None
-        if isinstance(loss, torch.Tensor) and (shown or self.world_size > 1):
-            # .item() waits for the device: only when the value is logged, shown or averaged.
-            loss = loss.detach().float().mean().item()
-        if self.world_size == 1:
-            return signalled, out_of_time, minutes_due, loss
-        flags = [float(signalled), float(out_of_time), float(minutes_due)]
-        total = _dist.sum_floats([*flags, float(loss) if loss is not None else 0.0])
-        mean = total[3] / self.world_size if loss is not None else None
-        return total[0] > 0, total[1] > 0, total[2] > 0, mean
-
-    def _extend(self, target: str) -> None:
-        # A finished run asked for more: it continues (issue 17), and says so.
-        self.counters.complete = False
-        self._events.extended(target)
 
     def _halt(self, reason: str) -> bool:
         self.stopped = True
@@ -277,8 +278,17 @@ class Run:
             raise SystemExit(EXIT_RESUMABLE)
         return True
 
-    def _next_save_text(self) -> str:
-        return next_save_text(self.config, self.counters.step, self._last_save_wall, self._deadline)
+    def stop(self, reason: str) -> None:
+        """Stop now, for a framework whose own loop caught the stop signal: save this step
+        (unless saved already), close the run and say so (the stop message). The caller exits
+        (with 75, :data:`unbroken.EXIT_RESUMABLE`)."""
+        if self._closed:
+            return
+        if self._checkpointer.last_saved_step != self.counters.step:
+            self.save(blocking=True)
+        self.stopped = True
+        self.close()
+        self._events.stopped(reason)
 
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """Epoch numbers from the one in progress to ``num_epochs - 1``; then ``finish()``."""
@@ -288,28 +298,27 @@ class Run:
                 "sees; use `for batch in run.loop(loader)` (with epochs= if you count epochs)"
             )
         self._audit.loop_started()
+        loaders = self._loaders()
+        first = loaders[0] if loaders else None
         if self._progress is not None and self.config.max_steps is None:
-            loaders = self._loaders()
-            self._progress.set_total(
-                steps_for_epochs(loaders[0] if loaders else None, self.counters, num_epochs)
-            )
+            self._progress.set_total(steps_for_epochs(first, self.counters, num_epochs))
         if self.counters.complete and self.counters.epoch < num_epochs:
             if self.config.max_steps is None:
-                self._extend(f"{num_epochs} epochs")
+                # A finished run asked for more epochs: it continues, and says so.
+                self.counters.complete = False
+                self._events.extended(f"{num_epochs} epochs")
         while self.counters.epoch < num_epochs and not self.done:
             epoch = self.counters.epoch
-            loaders = self._loaders()
             for loader in loaders:
                 if callable(getattr(loader, "set_epoch", None)):
                     loader.set_epoch(epoch)
             if self.config.on_epoch_start is not None:
-                first = not loaders or getattr(loaders[0], "position", 0) == 0
-                if first:
-                    self._stepper.begin_step(loaders[0] if loaders else None)
+                if first is None or getattr(first, "position", 0) == 0:
+                    self._stepper.begin_step(first)
             yield epoch
             if self.done or self.stopped:
                 break
-            self._end_epoch(epoch + 1, last=epoch + 1 >= num_epochs)
+            self._end_epoch(epoch + 1, epoch + 1 >= num_epochs)
         if not self.stopped:
             self.finish()
 
@@ -317,9 +326,28 @@ class Run:
         """Batches across epochs until ``max_steps`` (or ``epochs``), then ``finish()``."""
         if self.config.max_steps is None and epochs is None:
             raise ConfigError("loop() needs max_steps (a Run option) or epochs=")
-        yield from self._stepper.loop(loader, epochs)
+        yield from self._stepper.loop(
+            loader, epochs, end_epoch=self._end_epoch, halted=lambda: self.done or self.stopped
+        )
         if not self.stopped:
             self.finish()
+
+    def _end_epoch(self, next_epoch: int, last: bool = False) -> None:
+        self.counters.epoch = next_epoch
+        if not self.config.save_on_epoch_end or self.done:
+            return
+        if last and self.config.save_final:
+            return  # finish() saves this step as the final checkpoint; do not write it twice
+        if self._loader_marks()[0] != self._marks[0]:
+            # Batches were drawn since the last step: a gradient-accumulation window spans the
+            # epoch boundary. Saving now would lose it; save at the end of this step instead.
+            self._epoch_save_pending = True
+        else:
+            self.save()
+
+    def _loaders(self) -> list[Any]:
+        """Tracked loaders: components meeting unbroken.data.Loader (or tagged kind="loader")."""
+        return [c.obj for c in self.registry if is_loader(c.obj)]
 
     # ---- what the loop exposes ----------------------------------------------------------------
 
@@ -351,28 +379,15 @@ class Run:
     def stage(self) -> Any:
         return self.counters.stage
 
-    def _log_event(self, kind: str, **fields: Any) -> None:
-        if self._metrics is not None:
-            self._metrics.event(kind, step=self.counters.step, **fields)
-        if kind == "model_changed":
-            self._events.model_changed(fields)
+    @property
+    def last_saved_step(self) -> int | None:
+        """The step of the newest checkpoint this process saved or resumed from."""
+        return self._checkpointer.last_saved_step
 
-    def _end_epoch(self, next_epoch: int, *, last: bool = False) -> None:
-        self.counters.epoch = next_epoch
-        if not self.config.save_on_epoch_end or self.done:
-            return
-        if last and self.config.save_final:
-            return  # finish() saves this step as the final checkpoint; do not write it twice
-        if self._loader_marks()[0] != self._marks[0]:
-            # Batches were drawn since the last step: a gradient-accumulation window spans the
-            # epoch boundary. Saving now would lose it; save at the end of this step instead.
-            self._epoch_save_pending = True
-        else:
-            self.save()
-
-    def _loaders(self) -> list[Any]:
-        """Tracked loaders: components meeting unbroken.data.Loader (or tagged kind="loader")."""
-        return [c.obj for c in self.registry if is_loader(c.obj)]
+    @property
+    def last_save_seconds(self) -> float | None:
+        """How long the last save took (blocking part and background part together)."""
+        return self._checkpointer.last_save_seconds
 
     # ---- saving -------------------------------------------------------------------------------
 
@@ -383,51 +398,32 @@ class Run:
         and committing finish in the background (see :class:`unbroken.store.AsyncSaver`).
         """
         t0 = time.perf_counter()
-        c = self.counters
-        if self._lock.held:
-            self._lock.check()  # a deleted or replaced lock file: never two writers
-        if self._metrics is not None:
-            c.metrics_offset = self._metrics.offset()  # fsynced: on disk before the commit
-        payload = self.registry.collect(self.rank)
-        meta = {"epoch": c.epoch, "samples": c.samples, "stage": c.stage}
-        path = self._path(c.step)
+        self._checkpointer.check_lock()
+        payload, meta = self._state(durable=True)
         with self._stop.saving():  # a second Ctrl-C waits until this save committed
-            if self._async is not None and not blocking:
-                self._async.save(c.step, payload, meta, after=self._committed_in_background)
-                # The time budget must allow for a whole save: use the last complete one.
-                self.last_save_seconds = self._async.last_total_seconds or (
-                    time.perf_counter() - t0
-                )
-            else:
-                if self._async is not None:
-                    self._async.wait()
-                self.store.save(c.step, payload, meta)
-                self._retain(c.step)
-                self.last_save_seconds = time.perf_counter() - t0
-                self._events.committed(c.step, path, self.last_save_seconds)
-        self.last_saved_step = c.step
-        self._last_save_wall = time.time()
-        # Time spent saving is not a training step.
-        self._last_tick += time.perf_counter() - t0
-        self._events.deliver()
+            path = self._checkpointer.save(
+                self.counters.step, payload, meta, blocking=bool(blocking)
+            )
+        self._pace.exclude(time.perf_counter() - t0)
         return path
 
+    def _state(self, durable: bool) -> tuple[Any, dict[str, Any]]:
+        """(payload, meta) of every component now; the metrics log's length goes with it
+        (fsynced first for a durable checkpoint)."""
+        c = self.counters
+        c.metrics_offset = self._events.metrics_offset(durable)
+        meta = {"epoch": c.epoch, "samples": c.samples, "stage": c.stage}
+        return self.registry.collect(self.rank), meta
+
+    def _snapshot_state(self) -> tuple[Any, dict[str, Any]]:
+        return self._state(durable=False)
+
     def _path(self, step: int) -> str:
-        return os.path.join(self.store.root, step_name(step))
-
-    def _retain(self, step: int) -> None:
-        if self.rank == 0:
-            self.store.apply_retention(step)
-
-    def _committed_in_background(self, step: int) -> None:
-        self._retain(step)
-        self._events.committed(step, self._path(step))
+        return self._checkpointer.path(step)
 
     def wait(self) -> None:
         """Wait for a background save to commit; raise its error if it failed."""
-        if self._async is not None:
-            self._async.wait()
-        self._events.deliver()
+        self._checkpointer.wait()
 
     def finish(self) -> None:
         """Mark training complete, save a final checkpoint (if configured) and close."""
@@ -460,18 +456,13 @@ class Run:
         self._closed = True
         try:
             # The lock is released only after a save in flight committed (or failed).
-            self.wait()
+            self._checkpointer.wait()
         finally:
-            self._release()
-
-    def _release(self) -> None:
-        self._stop.uninstall()
-        if self._progress is not None:
-            self._progress.close()
-        if self._metrics is not None:
-            self._metrics.close()
-        if self._lock.held:
-            self._lock.release()
+            self._stop.uninstall()
+            if self._progress is not None:
+                self._progress.close()
+            self._events.close()
+            self._checkpointer.release()
 
     def __enter__(self) -> Run:
         return self
@@ -490,3 +481,39 @@ class Run:
             f"Run({self.dir!r}, step={self.counters.step}, epoch={self.counters.epoch}, "
             f"components={self.registry.names()})"
         )
+
+
+def _track(
+    components: Mapping[str, Any], counters: Counters, config: RunConfig, rank: int, world: int
+) -> Registry:
+    """The registry of a run: the user's components, then the counters and the RNG streams."""
+    registry = Registry()
+    for name, obj in components.items():
+        if name in _RESERVED:
+            raise ConfigError(f"component name {name!r} is reserved by unbroken; rename it")
+        try:
+            refuse_untrackable(obj)
+            registry.add(name, obj)
+        except ConfigError as e:
+            raise ConfigError(f"Run keyword {name!r}: {e}{option_hint(name)}") from None
+        if is_loader(obj):
+            check_world(name, obj, rank, world)
+    registry.add("counters", counters)
+    registry.check_untracked_parameters()
+    if config.track_rng:
+        registry.add("rng", GlobalRNG())
+    return registry
+
+
+def _retention(config: RunConfig, process: ProcessContext, rank: int) -> Retention:
+    if process.keep_all and config.keep_last is not None:
+        # `unbroken verify` compares both runs at every checkpoint step: it asks every run it
+        # launches to keep them all. Said, not silently done.
+        if rank == 0:
+            log.info(
+                "unbroken: keeping every checkpoint (keep_last=%d set aside): this launch is "
+                "run by `unbroken verify`",
+                config.keep_last,
+            )
+        return Retention(None, config.keep_every)
+    return Retention(config.keep_last, config.keep_every)

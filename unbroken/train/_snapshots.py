@@ -1,26 +1,30 @@
-"""The Run's in-memory snapshots (see unbroken/store/_snapshot.py for what they are).
+"""In-memory snapshots of a run (see unbroken/store/_snapshot.py for what they are).
 
-Active only when the supervisor set ``UNBROKEN_SNAPSHOT_DIR`` (``unbroken run``) and
-``snapshot_every`` is not 0. ``snapshot_every=None`` (the default) picks the interval from the
-first snapshot's cost: as often as keeps snapshots at <= 2% of the step time, every step when
-that allows it. Every rank takes part in every snapshot (the store's save is collective), so
-the interval is decided on rank 0 and broadcast once.
+Active only under ``unbroken run`` (which hands the trainer a snapshot area through the process
+protocol) and when ``snapshot_every`` is not 0. ``snapshot_every=None`` (the default) picks the
+interval from the first snapshot's cost: as often as keeps snapshots at <= 2% of the step time,
+every step when that allows it. Every rank takes part in every snapshot (the store's save is
+collective), so the interval is decided on rank 0 and broadcast once.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .. import _dist
-from ..store._snapshot import ENV, SnapshotArea
+from ..store import CheckpointReader
+from ..store._snapshot import SnapshotArea
 
 log = logging.getLogger("unbroken")
 BUDGET = 0.02
-"""Snapshots may cost this fraction of the training time (issue 16)."""
+"""Snapshots may cost this fraction of the training time."""
+
+Collect = Callable[[], tuple[Any, dict[str, Any]]]
+"""Returns (payload, meta) of the state as it is now: what a checkpoint of this step holds."""
 
 
 def interval_for(cost_s: float, step_s: float) -> int:
@@ -32,70 +36,55 @@ def interval_for(cost_s: float, step_s: float) -> int:
 
 
 class Snapshots:
-    def __init__(self, run: Any, every: int | None) -> None:
-        self.run = run
-        root = os.environ.get(ENV)
+    def __init__(self, root: str | None, every: int | None, *, rank: int, run_dir: str) -> None:
+        self.rank, self.run_dir = rank, run_dir
         self.area: SnapshotArea | None = None
         self.interval = every
         self.seconds: float | None = None
         self.taken = 0
         if root and every != 0:
-            self.area = SnapshotArea(root, clean=run.rank == 0)
+            self.area = SnapshotArea(root, clean=rank == 0)
             _dist.barrier()  # rank 0 cleaned a killed snapshot's leftovers first
 
     @property
     def active(self) -> bool:
         return self.area is not None
 
-    def after_step(self, step: int, saved: bool) -> None:
-        """Called by every rank at the end of each step (after any durable save)."""
+    def after_step(
+        self, step: int, saved: bool, collect: Collect, step_seconds: float | None
+    ) -> float:
+        """Called by every rank at the end of each step (after any durable save); returns the
+        seconds it took (not training time)."""
         if self.area is None or saved:
-            return  # a durable checkpoint of this step already exists
+            return 0.0  # a durable checkpoint of this step already exists
         if self.interval is not None and step % self.interval:
-            return
+            return 0.0
         t0 = time.perf_counter()
-        run, c = self.run, self.run.counters
-        if run._metrics is not None:
-            c.metrics_offset = run._metrics.length()
-        payload = run.registry.collect(run.rank)
+        payload, meta = collect()
         if self.taken == 0 and not self._fits(payload):
-            return
-        self._take(step, payload)
+            return time.perf_counter() - t0
+        self.area.save(step, payload, {**meta, "run_dir": self.run_dir, "snapshot": True})
         self.seconds = time.perf_counter() - t0
         self.taken += 1
         if self.interval is None:
-            self.interval = self._choose_interval()
-        # The snapshot is not training time.
-        self.run._last_tick += time.perf_counter() - t0
+            self.interval = self._choose_interval(step_seconds or 0.0)
+        return time.perf_counter() - t0
 
     def _fits(self, payload: Any) -> bool:
         assert self.area is not None
         nbytes = sum(t.numel() * t.element_size() for t in payload.tensors.values())
-        ok = self.area.fits(nbytes) if self.run.rank == 0 else True
+        ok = self.area.fits(nbytes) if self.rank == 0 else True
         ok = _dist.broadcast_object(ok)
         if not ok:
-            if self.run.rank == 0:
+            if self.rank == 0:
                 log.warning("unbroken: %s", self.area.disabled)
             self.area = None
-        return ok
+        return bool(ok)
 
-    def _take(self, step: int, payload: Any) -> None:
-        run, c = self.run, self.run.counters
-        meta = {
-            "epoch": c.epoch,
-            "samples": c.samples,
-            "stage": c.stage,
-            "run_dir": run.dir,
-            "snapshot": True,
-        }
-        assert self.area is not None
-        self.area.save(step, payload, meta)
-
-    def _choose_interval(self) -> int:
-        step_s = self.run._step_seconds or 0.0
+    def _choose_interval(self, step_s: float) -> int:
         cost = self.seconds or 0.0
         every = _dist.broadcast_object(interval_for(cost, step_s))
-        if self.run.rank == 0:
+        if self.rank == 0:
             log.info(
                 "unbroken: in-memory snapshot every %d step(s) (one takes %.1f ms, a step %.1f ms)",
                 every,
@@ -104,7 +93,7 @@ class Snapshots:
             )
         return int(every)
 
-    def source_for(self, reader: Any) -> Any:
+    def source_for(self, reader: CheckpointReader) -> Any:
         """The snapshot holding ``reader``'s very checkpoint, if this node has it: its tensors
         are read from memory instead of the disk."""
         if self.area is None:

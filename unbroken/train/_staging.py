@@ -21,7 +21,9 @@ from typing import Any
 import torch
 
 from .._errors import ConfigError, StateError
-from ..state import EMA
+from ..state import EMA, Counters, Registry
+from ..state._adapters import unwrap
+from ._audit import retire
 
 GrowHook = Callable[[str, str, torch.Tensor, torch.Size], torch.Tensor | None]
 """``grow(name, what, old, new_shape)``: what is "param_state:<key>" or "ema"; return the new
@@ -220,3 +222,79 @@ def as_change(value: Any, where: str, known: set[str]) -> Change | None:
     if value.model is not None and not isinstance(value.model, torch.nn.Module):
         raise ConfigError(f"{where} returned model={type(value.model).__qualname__}, not a Module")
     return value
+
+
+class ModelSwap:
+    """Replaces the tracked model (a callback's new model, or a resume into another stage):
+    the optimizer is rebuilt by parameter name with its state carried over and grown, LR
+    schedulers are pointed at it, the EMA grows, the new model is wrapped like the old one, and
+    the replaced optimizer and model refuse to train from then on."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        counters: Counters,
+        *,
+        grow: GrowHook | None,
+        optimizer_factory: Callable[[Any], Any] | None,
+        wrap_model: Callable[[torch.nn.Module], torch.nn.Module] | None,
+        on_changed: Callable[[dict[str, Any]], None],
+    ) -> None:
+        self.registry, self.counters = registry, counters
+        self.grow, self.optimizer_factory, self.wrap_model = grow, optimizer_factory, wrap_model
+        self.on_changed = on_changed
+
+    def __call__(self, new: torch.nn.Module, reason: str) -> Remap:
+        reg = self.registry
+        model_name, tracked = reg.first("model", torch.nn.Module)
+        if model_name is None or tracked is None:
+            raise ConfigError("a model change needs a tracked nn.Module component")
+        old = unwrap(tracked)
+        new = unwrap(new)
+        remap = classify(shapes(old), shapes(new), self.grow)
+        opt_name, old_opt = reg.first("optimizer", torch.optim.Optimizer)
+        if old_opt is not None and opt_name is not None:
+            new_opt = rebuild_optimizer(old_opt, old, new, self.optimizer_factory)
+            carry_optimizer_state(old_opt, old, new_opt, new, self.grow)
+            self._repoint_schedulers(old_opt, new_opt)
+            reg.replace(opt_name, new_opt)
+        # The script's own variables still point at the old ones: never train them silently.
+        retire(old_opt, old, new, self.counters.step)
+        _, ema = reg.first("ema", EMA)
+        if ema is not None and unwrap(ema.model) is old:
+            grow_ema(ema, new, self.grow)
+        reg.replace(model_name, _rewrap(tracked, new, self.wrap_model))
+        self.on_changed({"reason": reason, **remap.summary()})
+        return remap
+
+    def _repoint_schedulers(self, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+        for comp in self.registry:
+            sched = comp.obj
+            if getattr(sched, "optimizer", None) is old:
+                if len(old.param_groups) != len(new.param_groups):
+                    raise StateError(
+                        f"LR scheduler {comp.name!r} drives an optimizer whose param groups "
+                        "changed in number; use the lr setting instead of a torch scheduler"
+                    )
+                sched.optimizer = new
+
+
+def _rewrap(
+    tracked: torch.nn.Module,
+    new: torch.nn.Module,
+    wrap: Callable[[torch.nn.Module], torch.nn.Module] | None,
+) -> torch.nn.Module:
+    """Wrap a new model like the old one was: ``wrap_model`` if given, else DDP like before."""
+    if wrap is not None:
+        return wrap(new)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if isinstance(tracked, DDP):
+        return DDP(
+            new,
+            device_ids=tracked.device_ids,
+            output_device=tracked.output_device,
+            broadcast_buffers=tracked.broadcast_buffers,
+            find_unused_parameters=tracked.find_unused_parameters,
+        )
+    return new

@@ -2,7 +2,7 @@
 and compare the two runs.
 
 The command learns its run directory from ``{run_dir}`` in its arguments (replaced in each
-argument) or from the environment variable ``UNBROKEN_RUN_DIR``; ``UNBROKEN_KEEP_ALL=1`` makes
+argument) or from the environment variable :data:`ENV_RUN_DIR`; :data:`ENV_KEEP_ALL` makes
 its ``Run`` keep every checkpoint, so both runs can be compared at every save step.
 
 A signal goes to every process of the launch -- the command, everything below it, and what
@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from .. import _stops, _tree
+from .. import _protocol, _stops, _tree
 from .._errors import ConfigError
 from .._exit import EXIT_OK, EXIT_RESUMABLE
 from .._logfile import METRICS_FILE, last_logged_step
@@ -39,8 +39,8 @@ from ._plan import Target, next_target, plan_interrupts
 from ._report import Interruption, VerifyReport, hints_for
 
 PLACEHOLDER = "{run_dir}"
-ENV_RUN_DIR = "UNBROKEN_RUN_DIR"
-ENV_KEEP_ALL = "UNBROKEN_KEEP_ALL"
+ENV_RUN_DIR = _protocol.RUN_DIR
+ENV_KEEP_ALL = _protocol.KEEP_ALL
 MARKER = ".unbroken-verify"
 _POLL = 0.002  # seconds between looks at the metrics log
 _SPIN = 0.0005  # while waiting for a save to start: short, so a save of a millisecond is seen
@@ -303,8 +303,8 @@ class _Session:
         argv = [a.replace(PLACEHOLDER, run_dir) for a in self.argv]
         tag = _tree.new_tag()
         self._stop_dir = os.path.join(self.work, "stops", f"{name}-{launch}")
-        env = {**os.environ, ENV_RUN_DIR: run_dir, ENV_KEEP_ALL: "1"}
-        env |= {_tree.TAG_ENV: tag, _stops.ENV: self._stop_dir}
+        env = _protocol.verify_env(os.environ, run_dir=run_dir)
+        env = _protocol.launch_env(env, job_tag=tag, stop_dir=self._stop_dir)
         self._killed_at = None
         log = open(os.path.join(self.work, f"{name}.log"), "ab")
         log.write(f"=== launch {launch}: {' '.join(argv)}\n".encode())
