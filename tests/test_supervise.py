@@ -162,7 +162,7 @@ def test_exhausted_crash_retries_exit_with_the_child_code(tmp_path: Path) -> Non
     r = supervise(tmp_path, "--backoff", "0.01", "--max-retries", "2", codes="7")
     assert r.returncode == 7
     assert len(attempts(tmp_path)) == 3  # the first try and two retries
-    assert "gave up after 3 crashes in a row (--max-retries 2); exit 7" in r.stderr
+    assert "gave up after 3 crashes in a row without progress (--max-retries 2); exit 7" in r.stderr
 
 
 def test_exhausted_after_signal_death_exits_1(tmp_path: Path) -> None:

@@ -15,11 +15,10 @@ from types import FrameType
 from typing import Any
 
 from .. import _protocol, _shm
-from .._exit import EXIT_FAILURE, EXIT_OK, EXIT_RESUMABLE, EXIT_USAGE
-from . import _job
+from .._exit import EXIT_FAILURE, EXIT_RESUMABLE, EXIT_USAGE
+from . import _job, _policy
 
-# Stop signals: the supervisor passes each on to the child and then relaunches nothing.
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+FORWARDED = _policy.FORWARDED
 TAG = "unbroken run:"
 
 DESCRIPTION = f"""Run CMD and keep it running until it finishes.
@@ -176,122 +175,127 @@ class Supervisor:
 
     # -- the loop -----------------------------------------------------------------------
     def run(self) -> tuple[int, str]:
+        """Launch CMD until the policy ends supervision; returns (exit code, outcome)."""
         a = self.a
         job = None if a.no_requeue else slurm_job_id(os.environ)
-        restarts = crashes = 0
+        limits = _policy.Limits(
+            a.max_restarts, a.max_retries, a.backoff, a.max_backoff, a.reset_after
+        )
+        history = _policy.History()
+        persisted: int | None = None  # the newest step a crash's snapshot was kept at
         while True:
-            n = len(self.attempts) + 1
-            env = _protocol.supervised_env(os.environ, attempt=n, snapshot_dir=self.area)
-            t0, wall0 = time.monotonic(), time.time()
-            self.forwarded, self.received = False, []
-            try:
-                self.launch = _job.Launch(self.cmd, env, self.stops, n)
-            except OSError as e:
-                self.attempts.append(Attempt(n, wall0, 0.0, None, None, "not-started", "give-up"))
-                return EXIT_FAILURE, f"could not start {self.cmd[0]!r}: {e.strerror or e}"
-            if self.stop is not None and not self.forwarded:
-                # The signal landed while Popen was forking, before the handler saw the child.
-                # Its "no child running" entry is replaced by what happens now.
-                self.received[-1:] = [self._forward(self.stop)]
-            launch = self.launch
-            rc = launch.proc.wait()
-            # What CMD left running (ranks of a killed launcher, still saving) is part of this
-            # attempt: the next one must not start beside it. Signals still reach it meanwhile.
-            stopped, left_note = launch.settle(rc, a.grace)
-            self.launch = None
-            dur = time.monotonic() - t0
-            sig = _signame(-rc) if rc < 0 else None
-            att = Attempt(n, wall0, round(dur, 3), None if sig else rc, sig, "crash", left_note)
-            att.signals = self.received  # the same list: later (between-attempt) ones land too
-            self.attempts.append(att)
-            code = rc if rc > 0 else EXIT_FAILURE  # what a crash ending here exits with
-
-            if rc == EXIT_OK:
-                att.status, att.action = "ok", "done"
-                return EXIT_OK, "finished"
-            if stopped is not None and rc != EXIT_RESUMABLE:
-                # torchrun exits 1 when its ranks exit 75: the ranks' markers tell the truth.
-                att.note = "; ".join(filter(None, [left_note, f"{stopped}: resumable"]))
-                rc = EXIT_RESUMABLE
-            elif rc > 0 and rc != EXIT_RESUMABLE and launch.unhandled:
-                # The stop reached ranks behind a launcher before they handled signals.
-                att.note = "stop signal before the ranks handled signals (start-up): resumable"
-                rc = EXIT_RESUMABLE
-            if rc != EXIT_RESUMABLE:
-                att.note = "; ".join(filter(None, [left_note, self._persist_snapshot()]))
-            if self._killed_before_handling(rc):
-                # Killed by a stop signal it had no handler for yet (still importing, or not
-                # a script that handles signals): it was not training, nothing was lost.
-                att.note = f"{sig} before CMD handled signals (start-up): resumable"
-                rc = EXIT_RESUMABLE
-            if rc == EXIT_RESUMABLE:
-                att.status, crashes = "resumable", 0
-                if job is not None:
-                    ok, why = _requeue(job)
-                    if ok:
-                        att.action = f"requeue {job}"
-                        return EXIT_RESUMABLE, f"requeued SLURM job {job}"
-                    # Requeue once failed will fail again: stay in place for the rest.
-                    att.note = f"scontrol failed: {why}"
-                    _say(f"scontrol requeue {job} failed ({why}); relaunching in place")
-                    job = None
-                if self.stop is not None:
-                    att.action = "stop"
-                    return EXIT_RESUMABLE, f"stopped by {_signame(self.stop)}"
-                if restarts >= a.max_restarts:
-                    att.action = "give-up"
-                    return (
-                        EXIT_RESUMABLE,
-                        f"restart limit reached (--max-restarts {a.max_restarts})",
-                    )
-                att.action = "relaunch"
-            else:
-                # A long attempt means the last crash run is over: this is a fresh failure.
-                crashes = att.crash = 1 if dur > a.reset_after else crashes + 1
-                if self.stop is not None:
-                    att.action = "stop"
-                    return code, f"stopped by {_signame(self.stop)} (CMD crashed)"
-                if crashes > a.max_retries:
-                    att.action = "give-up"
-                    return (
-                        code,
-                        f"gave up after {crashes} crashes in a row (--max-retries {a.max_retries})",
-                    )
-                if restarts >= a.max_restarts:
-                    att.action = "give-up"
-                    return code, f"restart limit reached (--max-restarts {a.max_restarts})"
-                att.action = "retry"
-                att.backoff_s = min(a.backoff * 2 ** (crashes - 1), a.max_backoff)
+            att, end = self._attempt()
+            if end.returncode is None:
+                return EXIT_FAILURE, att.note
+            verdict = _policy.classify(end)
+            att.status = verdict.outcome.value
+            notes = [att.note, verdict.note]
+            progressed = False
+            if verdict.died:
+                step, note = self._persist_snapshot()
+                notes.append(note)
+                progressed = step is not None and (persisted is None or step > persisted)
+                persisted = step if step is not None else persisted
+            att.note = "; ".join(filter(None, notes))
+            decision = self._decide(verdict, history, limits, att, progressed, job)
+            if decision.action is _policy.Action.REQUEUE:
+                assert job is not None
+                ok, why = _requeue(job)
+                if ok:
+                    att.action = f"requeue {job}"
+                    return EXIT_RESUMABLE, f"requeued SLURM job {job}"
+                # Requeue once failed will fail again: stay in place for the rest.
+                att.note = "; ".join(filter(None, [att.note, f"scontrol failed: {why}"]))
+                _say(f"scontrol requeue {job} failed ({why}); relaunching in place")
+                job = None
+                decision = self._decide(verdict, history, limits, att, progressed, job)
+            if decision.action in (
+                _policy.Action.DONE,
+                _policy.Action.STOP,
+                _policy.Action.GIVE_UP,
+            ):
+                return decision.exit_code, decision.reason
             if not a.quiet:
                 _say(att.line(a.max_retries))
-            if att.action == "retry" and not self._sleep(att.backoff_s):
+            if decision.action is _policy.Action.RETRY and not self._sleep(decision.backoff_s):
                 att.action = "stop"
-                return code, f"stopped by {_signame(self.stop)} during backoff (CMD had crashed)"
-            restarts += 1
+                return (
+                    decision.exit_code,
+                    f"stopped by {_signame(self.stop)} during backoff (CMD had crashed)",
+                )
 
-    def _persist_snapshot(self) -> str:
+    def _decide(
+        self,
+        verdict: _policy.Verdict,
+        history: _policy.History,
+        limits: _policy.Limits,
+        att: Attempt,
+        progressed: bool,
+        job: str | None,
+    ) -> _policy.Decision:
+        d = _policy.policy(
+            verdict,
+            history,
+            limits,
+            returncode=att.returncode if att.signal is None else -1,
+            duration=att.duration_s,
+            progressed=progressed,
+            stop_signal=self.stop,
+            requeue=job is not None,
+        )
+        att.action, att.crash, att.backoff_s = d.action.value, d.crash, d.backoff_s
+        return d
+
+    def _attempt(self) -> tuple[Attempt, _policy.End]:
+        """Start CMD once and wait until it and what it left running are gone."""
+        n = len(self.attempts) + 1
+        env = _protocol.supervised_env(os.environ, attempt=n, snapshot_dir=self.area)
+        t0, wall0 = time.monotonic(), time.time()
+        self.forwarded, self.received = False, []
+        try:
+            self.launch = _job.Launch(self.cmd, env, self.stops, n)
+        except OSError as e:
+            att = Attempt(n, wall0, 0.0, None, None, "not-started", "give-up")
+            att.note = f"could not start {self.cmd[0]!r}: {e.strerror or e}"
+            self.attempts.append(att)
+            return att, _policy.End(None)
+        if self.stop is not None and not self.forwarded:
+            # The signal landed while Popen was forking, before the handler saw the child.
+            # Its "no child running" entry is replaced by what happens now.
+            self.received[-1:] = [self._forward(self.stop)]
+        launch = self.launch
+        rc = launch.proc.wait()
+        # What CMD left running (ranks of a killed launcher, still saving) is part of this
+        # attempt: the next one must not start beside it. Signals still reach it meanwhile.
+        stopped, left_note = launch.settle(rc, self.a.grace)
+        self.launch = None
+        dur = time.monotonic() - t0
+        sig = _signame(-rc) if rc < 0 else None
+        att = Attempt(
+            n, wall0, round(dur, 3), None if sig else rc, sig, "crash", "", note=left_note
+        )
+        att.signals = self.received  # the same list: later (between-attempt) ones land too
+        self.attempts.append(att)
+        end = _policy.End(rc, stopped, bool(launch.unhandled), self.forwarded)
+        return att, end
+
+    def _persist_snapshot(self) -> tuple[int | None, str]:
         """After a death: commit the trainer's newest in-memory snapshot durably, if it is
-        newer than its last checkpoint (imports torch, once per crash)."""
+        newer than its last checkpoint (imports torch, once per crash). Returns (its step,
+        a note for the report)."""
         if self.area is None or not os.path.isdir(self.area):
-            return ""
+            return None, ""
         from ..store._snapshot import persist_area
 
         try:
             got = persist_area(self.area)
         except Exception as e:  # keep supervising: the durable checkpoints are still there
             _say(f"could not persist the in-memory snapshot: {e}")
-            return f"snapshot not persisted: {e}"
+            return None, f"snapshot not persisted: {e}"
         if got is None:
-            return ""
+            return None, ""
         _say(f"kept the in-memory snapshot of step {got[0]} in {got[1]}")
-        return f"persisted the in-memory snapshot of step {got[0]}"
-
-    def _killed_before_handling(self, rc: int) -> bool:
-        """A death by SIGTERM, or by a stop signal the supervisor forwarded: the child was
-        stopped before it could handle the signal (unbroken's handler saves and exits 75)."""
-        if rc == -signal.SIGTERM:
-            return True
-        return self.forwarded and rc < 0 and -rc in FORWARDED and -rc != signal.SIGHUP
+        return got[0], f"persisted the in-memory snapshot of step {got[0]}"
 
     def _sleep(self, seconds: float) -> bool:
         # Short naps: time.sleep resumes after a signal (PEP 475), so it cannot be woken.

@@ -31,31 +31,14 @@ import torch
 from .. import _log
 from .._errors import ConfigError
 from .._exit import EXIT_RESUMABLE
+from ..train._config import RunConfig
 
 log = _log.get("lightning")
 
-# Run options that make sense under Lightning's loop. max_steps comes from the Trainer; the
-# signal handlers are installed by the callback itself, once Lightning has installed its own.
-_OPTIONS = frozenset(
-    {
-        "save_every",
-        "save_every_minutes",
-        "save_final",
-        "time_limit",
-        "time_margin",
-        "keep_last",
-        "keep_every",
-        "resume",
-        "start_over",
-        "allow_missing",
-        "allow_unexpected",
-        "metrics",
-        "progress",
-        "async_save",
-        "verify_checksums",
-        "track_rng",
-    }
-)
+# Run options that make sense under a framework's loop (RunConfig marks them). max_steps comes
+# from the Trainer; the signal handlers are installed by the callback itself, once Lightning
+# has installed its own.
+_OPTIONS = RunConfig.fields(framework=True)
 # Lightning callbacks that keep nothing across steps that affects training.
 _STATELESS = (
     "ProgressBar",
@@ -304,12 +287,8 @@ def _build(pl: Any) -> type:
             if isinstance(exception, SIGTERMException):
                 # Lightning's own SIGTERM stop, raised after the step's batch end: save that
                 # step (unless saved already) and make the exit resumable.
-                if run.last_saved_step != run.counters.step:
-                    run.save(blocking=True)
-                run.stopped = True
-                run.close()
+                run.stop("SIGTERM")
                 exception.code = EXIT_RESUMABLE
-                run._events.stopped("SIGTERM")  # the stop message of Run's own stops
                 return
             run.close()  # a crash: release the lock; the last checkpoint stays the latest
 

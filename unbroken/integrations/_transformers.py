@@ -34,29 +34,14 @@ from typing import Any
 import torch
 
 from .._errors import ConfigError
+from ..train._config import RunConfig
 
 log = logging.getLogger("unbroken")
 
-# Run options that make sense under the Trainer (max_steps, save_every, keep_last come from
-# TrainingArguments).
-_OPTIONS = frozenset(
-    {
-        "save_every_minutes",
-        "save_final",
-        "time_limit",
-        "time_margin",
-        "keep_every",
-        "resume",
-        "start_over",
-        "allow_missing",
-        "allow_unexpected",
-        "metrics",
-        "progress",
-        "async_save",
-        "verify_checksums",
-        "track_rng",
-    }
-)
+# Run options that make sense under a framework's loop (RunConfig marks them), but for those
+# TrainingArguments already holds: max_steps, save_steps (save_every), save_total_limit
+# (keep_last).
+_OPTIONS = RunConfig.fields(framework=True) - {"save_every", "keep_last"}
 # Trainer callbacks that keep nothing across steps that affects training.
 _STATELESS = ("DefaultFlowCallback", "ProgressCallback", "PrinterCallback", "_UnbrokenHooks")
 # TrainerState fields a resume restores (the others describe this launch's arguments).
@@ -201,7 +186,7 @@ def _make_hooks_class() -> type:
             self.lr: float | None = None
 
         def done(self) -> bool:
-            return self.run is not None and (self.run.done or self.run._closed)
+            return self.run is not None and (self.run.done or self.run.closed)
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             self.run = self.trainer._unbroken_open(state)
@@ -240,7 +225,7 @@ def _make_hooks_class() -> type:
             self.run.step(loss=pending["loss"], **scalars)
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            if self.run is not None and not self.run._closed:
+            if self.run is not None and not self.run.closed:
                 self.run.finish()
 
     return _UnbrokenHooks
@@ -394,7 +379,7 @@ def _build() -> type:
                 return super().train(None, *args, **kwargs)
             finally:
                 run = self._unbroken_hooks.run
-                if run is not None and not run._closed:
+                if run is not None and not run.closed:
                     run.close()  # a crash: release the lock; the last checkpoint stays
 
         # ---- the Run ---------------------------------------------------------------------------

@@ -2,113 +2,151 @@
 
 from __future__ import annotations
 
+import collections.abc
+import dataclasses
 import difflib
+import functools
 import numbers
 import os
 import re
 import time
+import types
+import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .._errors import ConfigError, ConfigTypeError
 
+GROUPS = {
+    "save": "when and how checkpoints are written, and how many are kept",
+    "resume": "where a launch continues from, and what it checks",
+    "stop": "when training ends or stops resumable",
+    "snapshot": "in-memory snapshots under `unbroken run`",
+    "log": "the metrics log, the progress bar and your hooks",
+    "loop": "what `run.loop()` applies at step starts: settings, callbacks, stages",
+}
+"""The option groups, in the order the docs list them."""
+
+
+def _option(
+    default: Any, group: str, *, framework: bool = False, expects: str | None = None
+) -> Any:
+    """A field of :class:`RunConfig`: its group, whether it means anything under a framework's
+    own loop (Lightning, the Trainer: they take those options), and, where the annotation's
+    wording would not help, what it accepts."""
+    return field(
+        default=default, metadata={"group": group, "framework": framework, "expects": expects}
+    )
+
 
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
     """Options of :class:`unbroken.Run`: pass one as ``Run(dir, config=RunConfig(...), ...)``,
-    or its fields as keyword arguments of ``Run`` (not both). Types are checked here."""
+    or its fields as keyword arguments of ``Run`` (not both). Each field's annotation is its
+    type, checked here; :data:`GROUPS` says what each group is for (``RunConfig.fields(group)``)."""
 
-    save_every: int | None = None
+    # ---- save ----
+    save_every: int | None = _option(None, "save", framework=True)
     """Save every N optimizer steps."""
-    save_every_minutes: float | None = None
+    save_every_minutes: float | None = _option(None, "save", framework=True)
     """Save when this many minutes passed since the last save."""
-    save_on_epoch_end: bool = False
+    save_on_epoch_end: bool = _option(False, "save")
     """Save whenever an epoch completes."""
-    save_final: bool = True
+    save_final: bool = _option(True, "save", framework=True)
     """Save when training completes (``finish()``, or the end of ``epochs()``/``loop()``)."""
-    time_limit: float | str | None = None
-    """Wall-time budget of this process, in seconds or ``[D-]HH:MM:SS``; the run saves and exits
-    resumable before it ends. SLURM's job end time (``SLURM_JOB_END_TIME``) is honoured too."""
-    time_margin: float = 10.0
-    """Seconds of slack kept before the budget ends, on top of a step and a save."""
-    keep_last: int | None = 3
+    keep_last: int | None = _option(3, "save", framework=True)
     """Keep the newest N checkpoints (None keeps all). ``unbroken verify`` keeps them all in the
     runs it launches, and says so."""
-    keep_every: int | None = None
+    keep_every: int | None = _option(None, "save", framework=True)
     """Also keep checkpoints whose step is a multiple of this."""
-    max_steps: int | None = None
-    """Training is complete after this many optimizer steps."""
-    resume: bool | int = True
+    async_save: bool = _option(False, "save", framework=True)
+    """Block training only for a snapshot; write and commit in the background."""
+    # ---- resume ----
+    resume: bool | int = _option(
+        True, "resume", framework=True, expects="True, False or a step number (int)"
+    )
     """True: continue from the latest valid checkpoint if there is one; an int: from that step;
     False: start fresh and refuse to run in a directory that has checkpoints. Checkpoints none
     of which loads are an error, never a fresh start (see ``start_over``)."""
-    start_over: bool = False
+    start_over: bool = _option(False, "resume", framework=True)
     """Move every checkpoint already in the run directory, and its metrics log, into
     ``checkpoints/abandoned-<UTC time>/`` (nothing is deleted) and start fresh. Meant for one
     launch: left on, every relaunch starts over again."""
-    allow_missing: tuple[str, ...] = ()
+    allow_missing: tuple[str, ...] = _option((), "resume", framework=True)
     """Components that may be absent from the checkpoint (they start fresh)."""
-    allow_unexpected: tuple[str, ...] = ()
+    allow_unexpected: tuple[str, ...] = _option((), "resume", framework=True)
     """Components the checkpoint may hold that are not tracked now (ignored)."""
-    seed: int | None = None
+    verify_checksums: bool = _option(True, "resume", framework=True)
+    """Check every file's xxh3 before resuming (size checks always happen)."""
+    seed: int | None = _option(None, "resume")
     """On a fresh start, seed Python, NumPy and torch (on resume, the streams are restored)."""
-    handle_signals: bool = True
+    track_rng: bool = _option(True, "resume", framework=True)
+    """Capture and restore the global Python, NumPy, torch and CUDA random streams."""
+    # ---- stop ----
+    max_steps: int | None = _option(None, "stop")
+    """Training is complete after this many optimizer steps."""
+    time_limit: float | str | None = _option(
+        None,
+        "stop",
+        framework=True,
+        expects="seconds (a number), a '[D-]HH:MM:SS' string, or None",
+    )
+    """Wall-time budget of this process, in seconds or ``[D-]HH:MM:SS``; the run saves and exits
+    resumable before it ends. SLURM's job end time (``SLURM_JOB_END_TIME``) is honoured too."""
+    time_margin: float = _option(10.0, "stop", framework=True)
+    """Seconds of slack kept before the budget ends, on top of a step and a save."""
+    handle_signals: bool = _option(True, "stop")
     """SIGTERM, SIGUSR1, SIGINT: finish the step, save, exit with code 75."""
-    exit_on_stop: bool = True
+    exit_on_stop: bool = _option(True, "stop")
     """After a signal or time-budget save, raise SystemExit(75); else ``step()`` returns True."""
-    metrics: bool = True
-    """Write ``RUN/metrics.jsonl``."""
-    progress: bool | None = None
-    """Show a tqdm bar (default: when stderr is a terminal)."""
-    async_save: bool = False
-    """Block training only for a snapshot; write and commit in the background."""
-    snapshot_every: int | None = None
+    # ---- snapshot ----
+    snapshot_every: int | None = _option(None, "snapshot")
     """Under ``unbroken run``: an in-memory snapshot every N steps (0: none; None: as often as
     keeps them under 2% of the step time), persisted by the supervisor if the process dies."""
-    verify_checksums: bool = True
-    """Check every file's xxh3 before resuming (size checks always happen)."""
-    track_rng: bool = True
-    """Capture and restore the global Python, NumPy, torch and CUDA random streams."""
-    settings: Any = None
-    """An ``unbroken.Settings``: values that are constants or functions of (step, epoch)."""
-    before_step: Callable[..., Any] | None = None
-    """``before_step(ctx)`` at each step start in ``run.loop()``; may return a Change."""
-    on_epoch_start: Callable[..., Any] | None = None
-    """``on_epoch_start(ctx)`` before the first step of each epoch; may return a Change."""
-    model_factory: Callable[[Any], Any] | None = None
-    """``model_factory(stage)`` builds the model of a stage (on resume, before loading)."""
-    optimizer_factory: Callable[[Any], Any] | None = None
-    """``optimizer_factory(model)`` builds the optimizer after a model change (default: the
-    same class and param groups, matched by parameter name)."""
-    grow: Callable[..., Any] | None = None
-    """``grow(name, what, old, new_shape)`` remaps state of a reshaped parameter (see docs)."""
-    stage: Any = None
-    """The stage of the model you built (JSON-able); recorded in every checkpoint."""
-    wrap_model: Callable[[Any], Any] | None = None
-    """``wrap_model(model)`` wraps a new model after a change (default: DDP again if the old one
-    was DDP; FSDP2 users pass a function that calls ``fully_shard``)."""
-    on_save: Callable[[int, str], Any] | None = None
+    # ---- log ----
+    metrics: bool = _option(True, "log", framework=True)
+    """Write ``RUN/metrics.jsonl``."""
+    progress: bool | None = _option(None, "log", framework=True)
+    """Show a tqdm bar (default: when stderr is a terminal)."""
+    on_save: Callable[[int, str], Any] | None = _option(None, "log")
     """``on_save(step, path)`` after each checkpoint is durably committed, on every rank, in
     the training thread (after an ``async_save``: at the next ``step()``, ``wait()`` or
     ``finish()``). For your own logger; see docs/trackers.md."""
-    on_resume: Callable[[int, str], Any] | None = None
+    on_resume: Callable[[int, str], Any] | None = _option(None, "log")
     """``on_resume(step, path)`` once ``Run()`` restored every component from a checkpoint,
     on every rank (not on a fresh start)."""
+    # ---- loop ----
+    settings: Any = _option(None, "loop")
+    """An ``unbroken.Settings``: values that are constants or functions of (step, epoch)."""
+    before_step: Callable[..., Any] | None = _option(None, "loop")
+    """``before_step(ctx)`` at each step start in ``run.loop()``; may return a Change."""
+    on_epoch_start: Callable[..., Any] | None = _option(None, "loop")
+    """``on_epoch_start(ctx)`` before the first step of each epoch; may return a Change."""
+    model_factory: Callable[[Any], Any] | None = _option(None, "loop")
+    """``model_factory(stage)`` builds the model of a stage (on resume, before loading)."""
+    optimizer_factory: Callable[[Any], Any] | None = _option(None, "loop")
+    """``optimizer_factory(model)`` builds the optimizer after a model change (default: the
+    same class and param groups, matched by parameter name)."""
+    grow: Callable[..., Any] | None = _option(None, "loop")
+    """``grow(name, what, old, new_shape)`` remaps state of a reshaped parameter (see docs)."""
+    stage: Any = _option(None, "loop")
+    """The stage of the model you built (JSON-able); recorded in every checkpoint."""
+    wrap_model: Callable[[Any], Any] | None = _option(None, "loop")
+    """``wrap_model(model)`` wraps a new model after a change (default: DDP again if the old one
+    was DDP; FSDP2 users pass a function that calls ``fully_shard``)."""
 
     def __post_init__(self) -> None:
         check_types(self)
         for name in ("save_every", "keep_last", "keep_every", "max_steps"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            if v is not None and v < 1:
                 raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
         if self.save_every_minutes is not None and self.save_every_minutes <= 0:
             raise ConfigError(f"save_every_minutes must be > 0, got {self.save_every_minutes!r}")
-        if not isinstance(self.resume, (bool, int)) or (
-            not isinstance(self.resume, bool) and self.resume < 0
-        ):
+        if not isinstance(self.resume, bool) and self.resume < 0:
             raise ConfigError(f"resume must be True, False or a step number, got {self.resume!r}")
         if self.start_over and not isinstance(self.resume, bool):
             raise ConfigError(
@@ -116,99 +154,82 @@ class RunConfig:
             )
         self.allow_missing = tuple(self.allow_missing)
         self.allow_unexpected = tuple(self.allow_unexpected)
-        every = self.snapshot_every
-        if every is not None and (
-            not isinstance(every, int) or isinstance(every, bool) or every < 0
-        ):
-            raise ConfigError(f"snapshot_every must be an int >= 0 or None, got {every!r}")
+        if self.snapshot_every is not None and self.snapshot_every < 0:
+            raise ConfigError(
+                f"snapshot_every must be an int >= 0 or None, got {self.snapshot_every!r}"
+            )
         self.time_limit_seconds()
 
     def time_limit_seconds(self) -> float | None:
         return parse_duration(self.time_limit, "time_limit")
 
     @classmethod
-    def fields(cls) -> frozenset[str]:
-        return frozenset(cls.__dataclass_fields__)
+    def fields(cls, group: str | None = None, *, framework: bool = False) -> frozenset[str]:
+        """The option names (of one group; only those that mean something under a framework's
+        own loop, with ``framework=True``)."""
+        return frozenset(
+            f.name
+            for f in dataclasses.fields(cls)
+            if (group is None or f.metadata["group"] == group)
+            and (not framework or f.metadata["framework"])
+        )
 
 
-# What each option accepts, by kind; a value of the wrong type is a ConfigTypeError (also a
-# TypeError) naming the option, before any range check.
-_KINDS = {
-    "save_every": "int?",
-    "save_every_minutes": "real?",
-    "save_on_epoch_end": "bool",
-    "save_final": "bool",
-    "time_limit": "duration?",
-    "time_margin": "real",
-    "keep_last": "int?",
-    "keep_every": "int?",
-    "max_steps": "int?",
-    "resume": "resume",
-    "start_over": "bool",
-    "allow_missing": "names",
-    "allow_unexpected": "names",
-    "seed": "int?",
-    "handle_signals": "bool",
-    "exit_on_stop": "bool",
-    "metrics": "bool",
-    "progress": "bool?",
-    "async_save": "bool",
-    "snapshot_every": "int?",
-    "verify_checksums": "bool",
-    "track_rng": "bool",
-    "settings": "any",
-    "before_step": "callable?",
-    "on_epoch_start": "callable?",
-    "model_factory": "callable?",
-    "optimizer_factory": "callable?",
-    "grow": "callable?",
-    "stage": "any",
-    "wrap_model": "callable?",
-    "on_save": "callable?",
-    "on_resume": "callable?",
-}
-_EXPECTED = {
-    "int?": "an int or None",
-    "real?": "a number or None",
-    "real": "a number",
-    "bool": "a bool",
-    "bool?": "a bool or None",
-    "duration?": "seconds (a number), a '[D-]HH:MM:SS' string, or None",
-    "resume": "True, False or a step number (int)",
-    "names": "a list or tuple of component names (str)",
-    "callable?": "a function (callable) or None",
-}
+@functools.cache
+def _types() -> dict[str, Any]:
+    return typing.get_type_hints(RunConfig)
 
 
-def _fits(kind: str, v: Any) -> bool:
-    is_int = isinstance(v, int) and not isinstance(v, bool)
-    is_real = isinstance(v, numbers.Real) and not isinstance(v, bool)
-    if kind.endswith("?") and v is None:
+def _fits(tp: Any, v: Any) -> bool:
+    """Whether ``v`` is of the annotated type ``tp`` (the forms RunConfig uses)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
         return True
-    return {
-        "int?": is_int,
-        "real?": is_real,
-        "real": is_real,
-        "bool": isinstance(v, bool),
-        "bool?": isinstance(v, bool),
-        "duration?": is_real or isinstance(v, str),
-        "resume": isinstance(v, bool) or is_int,
-        "names": isinstance(v, (list, tuple, set, frozenset))
-        and all(isinstance(n, str) for n in v),
-        "callable?": callable(v),
-        "any": True,
-    }[kind]
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(arg, v) for arg in typing.get_args(tp))
+    if tp is type(None):
+        return v is None
+    if tp is bool:
+        return isinstance(v, bool)
+    if tp is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if tp is float:
+        return isinstance(v, numbers.Real) and not isinstance(v, bool)
+    if tp is str:
+        return isinstance(v, str)
+    if origin is tuple:  # names: any collection of strings
+        return isinstance(v, (list, tuple, set, frozenset)) and all(isinstance(n, str) for n in v)
+    if origin is collections.abc.Callable:
+        return callable(v)
+    raise TypeError(f"RunConfig cannot check the annotation {tp!r}")  # a new form: teach _fits
+
+
+_WORDS = {bool: "a bool", int: "an int", float: "a number", str: "a string"}
+
+
+def _expected(tp: Any) -> str:
+    """What the annotation ``tp`` accepts, in words: "an int or None", "a bool", ..."""
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else ()
+    parts = [_expected(a) for a in args if a is not type(None)] if args else []
+    if args:
+        return " or ".join([*parts, "None"] if type(None) in args else parts)
+    if typing.get_origin(tp) is tuple:
+        return "a list or tuple of component names (str)"
+    if typing.get_origin(tp) is collections.abc.Callable:
+        return "a function (callable)"
+    return _WORDS.get(tp, repr(tp))
 
 
 def check_types(config: RunConfig) -> None:
-    for name, kind in _KINDS.items():
-        value = getattr(config, name)
+    hints = _types()
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
         if looks_like_component(value):
-            raise ConfigError(collision(name, value))
-        if not _fits(kind, value):
+            raise ConfigError(collision(f.name, value))
+        if not _fits(hints[f.name], value):
+            expects = f.metadata["expects"] or _expected(hints[f.name])
             raise ConfigTypeError(
-                f"Run option {name}= must be {_EXPECTED[kind]}, got {value!r} "
-                f"({type(value).__name__})"
+                f"Run option {f.name}= must be {expects}, got {value!r} ({type(value).__name__})"
             )
 
 

@@ -38,26 +38,23 @@ from typing import Any
 
 import torch
 
-from .. import _dist, _log, _stops
+from .. import _dist, _stops
 from .._errors import ConfigError
 from .._exit import EXIT_RESUMABLE
 from .._protocol import ProcessContext
-from ..data._contract import check_world, is_loader
-from ..state import Counters, GlobalRNG, Registry
-from ..store import Retention
+from ..data._contract import is_loader
+from ..state import Counters
 from . import _triggers
-from ._audit import Audit, refuse_untrackable
+from ._audit import Audit
 from ._checkpointer import Checkpointer
-from ._config import RunConfig, deadline, option_hint, split_arguments
+from ._components import retention, track
+from ._config import RunConfig, deadline, split_arguments
 from ._events import Events
 from ._loop import Stepper
 from ._progress import Progress, steps_for_epochs
 from ._resume import Resumer
 from ._signals import StopRequest, install_signal_handlers, process_start
 from ._staging import ModelSwap
-
-_RESERVED = ("counters", "rng")
-log = _log.get("run")
 
 
 class Run:
@@ -90,12 +87,12 @@ class Run:
         self.dir = os.path.abspath(os.fspath(run_dir))
         self.rank, self.world_size = _dist.rank(), _dist.world_size()
         self.counters = Counters(stage=cfg.stage)
-        self.registry = _track(kwargs, self.counters, cfg, self.rank, self.world_size)
+        self.registry = track(kwargs, self.counters, cfg, self.rank, self.world_size)
         process = ProcessContext.read()
         self._events = Events(self.dir, self.counters, on_save=cfg.on_save, on_resume=cfg.on_resume)
         self._checkpointer = Checkpointer(
             self.dir,
-            _retention(cfg, process, self.rank),
+            retention(cfg, process, self.rank),
             self._events,
             rank=self.rank,
             snapshot_dir=process.snapshot_dir,
@@ -481,39 +478,3 @@ class Run:
             f"Run({self.dir!r}, step={self.counters.step}, epoch={self.counters.epoch}, "
             f"components={self.registry.names()})"
         )
-
-
-def _track(
-    components: Mapping[str, Any], counters: Counters, config: RunConfig, rank: int, world: int
-) -> Registry:
-    """The registry of a run: the user's components, then the counters and the RNG streams."""
-    registry = Registry()
-    for name, obj in components.items():
-        if name in _RESERVED:
-            raise ConfigError(f"component name {name!r} is reserved by unbroken; rename it")
-        try:
-            refuse_untrackable(obj)
-            registry.add(name, obj)
-        except ConfigError as e:
-            raise ConfigError(f"Run keyword {name!r}: {e}{option_hint(name)}") from None
-        if is_loader(obj):
-            check_world(name, obj, rank, world)
-    registry.add("counters", counters)
-    registry.check_untracked_parameters()
-    if config.track_rng:
-        registry.add("rng", GlobalRNG())
-    return registry
-
-
-def _retention(config: RunConfig, process: ProcessContext, rank: int) -> Retention:
-    if process.keep_all and config.keep_last is not None:
-        # `unbroken verify` compares both runs at every checkpoint step: it asks every run it
-        # launches to keep them all. Said, not silently done.
-        if rank == 0:
-            log.info(
-                "unbroken: keeping every checkpoint (keep_last=%d set aside): this launch is "
-                "run by `unbroken verify`",
-                config.keep_last,
-            )
-        return Retention(None, config.keep_every)
-    return Retention(config.keep_last, config.keep_every)
