@@ -16,8 +16,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
-import torch.utils.data as tud
-
 from .. import _dist
 from .._errors import ConfigError
 
@@ -76,18 +74,6 @@ def is_loader(obj: Any) -> bool:
     """A component Run treats as a loader: one meeting :class:`Loader`, or tagged so by an
     integration that predates the protocol (``kind = "loader"``)."""
     return isinstance(obj, Loader) or getattr(obj, "kind", None) == "loader"
-
-
-def refuse_torch_loader(obj: Any) -> None:
-    """A plain torch DataLoader cannot resume exactly: say what to use instead."""
-    if isinstance(obj, tud.DataLoader) and not callable(getattr(obj, "state_dict", None)):
-        raise ConfigError(
-            "a torch.utils.data.DataLoader has no position to save: a resume would restart "
-            "or skip its data. Use unbroken.DataLoader(dataset, "
-            "batch_size, ...) for a map-style dataset, unbroken.data.JsonlShards for JSONL "
-            "shard files, unbroken.data.IterableShards for a sharded IterableDataset, or "
-            "unbroken.data.SamplerLoader for your own stateful sampler (docs/data.md)"
-        )
 
 
 def check_world(name: str, loader: Any, rank: int, world_size: int) -> None:

@@ -100,10 +100,6 @@ class ShardOrder:
             raise TypeError("ShardOrder supports contiguous slices only")
         return self.slice(s.start or 0, self.n if s.stop is None else s.stop)
 
-    def shard_at(self, pos: int) -> int:
-        """The shard (its index in the file list) that stream position ``pos`` falls in."""
-        return int(self.perm[int(np.searchsorted(self.ends, pos, side="right"))])
-
     def _lines(self, shard: int) -> np.ndarray:
         got = self._inner.get(shard)
         if got is None:

@@ -209,10 +209,3 @@ class GenericState:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.obj.load_state_dict(state_dict)
-
-
-def is_trackable(obj: object) -> bool:
-    """Whether :func:`adapt` accepts ``obj``."""
-    return isinstance(
-        obj, (torch.nn.Module, torch.Generator, np.random.Generator, random.Random, Stateful)
-    )

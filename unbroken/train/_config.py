@@ -9,7 +9,6 @@ import functools
 import numbers
 import os
 import re
-import time
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -323,10 +322,6 @@ def deadline(start: float, config: RunConfig) -> float | None:
     if slurm_end and slurm_end.isdigit():
         limits.append(float(slurm_end))
     return min(limits) if limits else None
-
-
-def wall() -> float:
-    return time.time()
 
 
 def option_hint(name: str) -> str:

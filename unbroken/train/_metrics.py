@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from typing import Any
@@ -168,7 +167,3 @@ def _plain(v: Any) -> Any:
         except (TypeError, ValueError):
             return v
     return v
-
-
-def is_finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
