@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import xxhash
 
-from tests import faults
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests import faults  # noqa: E402
 from unbroken.state import Counters, GlobalRNG, Registry, _rng
 from unbroken.store import (
     CheckpointReader,

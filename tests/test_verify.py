@@ -394,9 +394,16 @@ def test_hints() -> None:
     assert hints_for(_cmp(), resumed_from=[4]) == []
 
 
-def test_keep_all_env_overrides_keep_last(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert RunConfig(keep_last=2).keep_last == 2
+def test_keep_all_env_overrides_keep_last(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A launch by `unbroken verify` keeps every checkpoint, and says so."""
+    from unbroken._protocol import ProcessContext
+    from unbroken.train._components import retention
+
+    assert retention(RunConfig(keep_last=2), ProcessContext.read(), 0).keep_last == 2
     monkeypatch.setenv("UNBROKEN_KEEP_ALL", "1")
-    assert RunConfig(keep_last=2).keep_last is None
-    monkeypatch.setenv("UNBROKEN_KEEP_ALL", "0")
-    assert RunConfig(keep_last=2).keep_last == 2
+    with caplog.at_level("INFO", logger="unbroken"):
+        kept = retention(RunConfig(keep_last=2), ProcessContext.read(), 0)
+    assert kept.keep_last is None
+    assert "keeping every checkpoint (keep_last=2 set aside)" in caplog.text

@@ -64,7 +64,7 @@ def _arm(at: int, sig: int, phase: str) -> None:
 
         def patched_begin(self, loader):  # type: ignore[no-untyped-def]
             out = begin(self, loader)
-            if self.run.counters.step == at:
+            if self.counters.step == at:
                 fire()
             return out
 
