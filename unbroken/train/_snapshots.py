@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from .. import _dist
-from ..store._snapshot import ENV, SnapshotArea
+from ..store._snapshot import ENV, SnapshotArea, SnapshotsOff
 
 log = logging.getLogger("unbroken")
 BUDGET = 0.02
@@ -40,8 +40,13 @@ class Snapshots:
         self.seconds: float | None = None
         self.taken = 0
         if root and every != 0:
-            self.area = SnapshotArea(root, clean=run.rank == 0)
-            _dist.barrier()  # rank 0 cleaned a killed snapshot's leftovers first
+            try:
+                self.area = SnapshotArea(root, clean=run.rank == 0)
+            except SnapshotsOff as e:  # not a private area (another user's, a link, ...)
+                log.warning("unbroken: in-memory snapshots are off: %s", e)
+            # Every rank or none (a snapshot is collective); also: rank 0 cleaned first.
+            if _dist.any_true(self.area is None):
+                self.area = None
 
     @property
     def active(self) -> bool:
@@ -89,7 +94,8 @@ class Snapshots:
             "snapshot": True,
         }
         assert self.area is not None
-        self.area.save(step, payload, meta)
+        if self.area.save(step, payload, meta) is None:
+            self.area = None  # memory ran out: said, and off on every rank (the store agreed)
 
     def _choose_interval(self) -> int:
         step_s = self.run._step_seconds or 0.0
