@@ -8,6 +8,9 @@ read 0 whatever happened. Here the kernel's high-water mark is reset (``clear_re
 
 from __future__ import annotations
 
+import ctypes
+import gc
+
 
 def _status(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -18,7 +21,14 @@ def _status(field: str) -> int:
 
 
 def reset_peak() -> int:
-    """Start measuring now; returns the resident memory at this moment (bytes)."""
+    """Start measuring now; returns the resident memory at this moment (bytes). Garbage is
+    collected and the C heap trimmed first, so that what is freed but kept by the allocator
+    cannot hide a new allocation (it would be reused without raising the resident size)."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)  # glibc
+    except (OSError, AttributeError):
+        pass
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return _status("VmRSS")

@@ -354,22 +354,24 @@ def _load_direct(
     read each chunk straight into its part of the target (into a temporary first where that
     part is not contiguous) without DCP's planning. Returns False, having read nothing, for
     anything else (DCP handles or reports it)."""
-    per_file: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    dests: dict[int, torch.Tensor] = {}
     for fqn, target in targets.items():
         i = table.index.get(fqn)
         if i is None or type(target) not in (torch.Tensor, torch.nn.Parameter):
             return False
         if table.shape_of(i) != tuple(target.shape) or table.dtype_of(i) != target.dtype:
             return False
-        dest = target.detach()
-        for j in range(table.chunk_at[i], table.chunk_at[i + 1]):
-            per_file.setdefault(table.files[table.c_file[j]], []).append((j, dest))
-    for name, pairs in per_file.items():
-        pairs.sort(key=lambda p: table.c_offset[p[0]])
+        dests[i] = target.detach()
+    wanted = set(dests)
+    for name, order in table.in_file_order().items():
+        mine = [int(j) for j in order if table.c_tensor[int(j)] in wanted]
+        if not mine:
+            continue
         reads = _direct.VerifiedReads(safe_file(directory, name), verify)
         try:
-            for at in range(0, len(pairs), DIRECT_BATCH):
-                _read_batch(reads, table, pairs[at : at + DIRECT_BATCH])
+            for at in range(0, len(mine), DIRECT_BATCH):
+                batch = mine[at : at + DIRECT_BATCH]
+                _read_batch(reads, table, [(j, dests[table.c_tensor[j]]) for j in batch])
             reads.finish()
         except BaseException:
             reads.abandon()
@@ -417,7 +419,7 @@ def verify_data(directory: str, table: Table, files: dict[str, Any]) -> None:
         path = safe_file(directory, name)
         combined = xxhash.xxh3_64()  # _format.combine, a chunk at a time
         for at in range(0, len(order), DIRECT_BATCH):
-            chunks = [table.chunk(j) for j in order[at : at + DIRECT_BATCH]]
+            chunks = [table.chunk(int(j)) for j in order[at : at + DIRECT_BATCH]]
             digests = _direct.hash_chunks(path, chunks)
             for c, d in zip(chunks, digests, strict=True):
                 if c.xxh3 != d:

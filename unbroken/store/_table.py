@@ -12,7 +12,7 @@ crafted; either way reading it costs time linear in its size and memory below it
   the count passes that bound, before the rest is read. Chunks that hold no bytes (an empty
   shard of an uneven split) are at most one per listed file for a tensor, and tensors with no
   elements at most :data:`MAX_EMPTY_TENSORS`.
-- **Exact coverage** of every tensor by its chunks, for any number of chunks (:func:`covers`).
+- **Exact coverage** of every tensor by its chunks, for any number of chunks (_cover).
 """
 
 from __future__ import annotations
@@ -23,18 +23,17 @@ from array import array
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from .._errors import CorruptCheckpointError
 from ..state import TensorInfo
 from . import _safeio
+from ._cover import covers
 from ._format import ALIGN, DTYPES, FORMAT, MAX_DIMS, MAX_ELEMENTS, VERSION, Chunk, Entry
 from ._jsonstream import JsonStream
 
 MAX_EMPTY_TENSORS = 1 << 16
-MAX_SPLIT_DIMS = 16
-CORNER_BUDGET = 1 << 22
-"""Coverage of chunks split along several dimensions costs 2^dims per chunk (:func:`covers`)."""
 DATA_FILE = re.compile(r"^tensors-r\d{5,}\.bin$")
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _MAX_BYTE = 1 << 62
@@ -108,12 +107,16 @@ class Table(Mapping[str, Entry]):
     def data_files(self) -> set[str]:
         return {self.files[f] for f in set(self.c_file)}
 
-    def in_file_order(self) -> dict[str, list[int]]:
-        """Each data file's chunks (indices), by offset."""
-        per: dict[int, list[int]] = {}
-        for j, f in enumerate(self.c_file):
-            per.setdefault(f, []).append(j)
-        return {self.files[f]: sorted(js, key=self.c_offset.__getitem__) for f, js in per.items()}
+    def in_file_order(self) -> dict[str, np.ndarray]:
+        """Each data file's chunks (indices) in the order they were written: by offset, and at
+        one offset the empty chunks before the one holding bytes (the writer places an empty
+        chunk where the next one starts). The file's checksum combines them in this order."""
+        f = np.frombuffer(self.c_file, dtype=np.int64)
+        off = np.frombuffer(self.c_offset, dtype=np.int64)
+        nbytes = np.frombuffer(self.c_nbytes, dtype=np.int64)
+        order = np.lexsort((nbytes > 0, off, f))
+        bounds = np.flatnonzero(np.diff(f[order])) + 1
+        return {self.files[int(f[part[0]])]: part for part in np.split(order, bounds) if part.size}
 
 
 class _Infos(Mapping[str, TensorInfo]):
@@ -322,35 +325,36 @@ class _Parser:
             if not numel:
                 self._empty_tensor()
             return
-        boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-        empty = 0
-        for j in range(first, end):
-            a, b = t.c_box_at[j], t.c_box_at[j + 1]
-            if b - a != 2 * ndim:
-                raise CorruptCheckpointError(
-                    f"{self.at(fqn)}: a chunk has {(b - a) // 2} dimensions, not {ndim}"
-                )
-            offsets, sizes = tuple(t.c_box[a : a + ndim]), tuple(t.c_box[a + ndim : b])
-            n = 1
-            for o, sz, d in zip(offsets, sizes, shape, strict=True):
-                if o + sz > d:
-                    raise CorruptCheckpointError(
-                        f"{self.at(fqn)}: a chunk lies outside shape {list(shape)}"
-                    )
-                n *= sz
-            if t.c_nbytes[j] != n * item:
-                self._bad_nbytes(j, sizes, dtype, fqn)
-            if n:
-                boxes.append((offsets, sizes))
-            else:
-                empty += 1
+        n = end - first
+        box_at = np.frombuffer(t.c_box_at[first : end + 1], dtype=np.int64)  # copies: the
+        wrong = np.flatnonzero(np.diff(box_at) != 2 * ndim)  # columns grow on afterwards
+        if wrong.size:
+            j = first + int(wrong[0])
+            got = (t.c_box_at[j + 1] - t.c_box_at[j]) // 2
+            raise CorruptCheckpointError(
+                f"{self.at(fqn)}: a chunk has {got} dimensions, not {ndim}"
+            )
+        box = np.frombuffer(t.c_box[box_at[0] : box_at[-1]], dtype=np.int64).reshape(n, 2 * ndim)
+        lo, size = box[:, :ndim], box[:, ndim:]
+        if (lo + size > np.asarray(shape, dtype=np.int64)).any():
+            raise CorruptCheckpointError(
+                f"{self.at(fqn)}: a chunk lies outside shape {list(shape)}"
+            )
+        counts = size.prod(axis=1)  # each size within the shape: at most numel, no overflow
+        wrong = np.flatnonzero(np.frombuffer(t.c_nbytes[first:end], np.int64) != counts * item)
+        if wrong.size:
+            j = int(wrong[0])
+            self._bad_nbytes(first + j, tuple(size[j].tolist()), dtype, fqn)
+        full = counts > 0
+        empty = n - int(full.sum())
         if empty > self.listed:
             raise CorruptCheckpointError(
                 f"{self.at(fqn)} has {empty} chunks without elements, more than one per file listed"
             )
         if not numel:
             self._empty_tensor()
-        if not covers(shape, numel, boxes, self.at(fqn)):
+            return  # every chunk inside an empty tensor is empty
+        if not covers(shape, lo[full], size[full], self.at(fqn)):
             raise CorruptCheckpointError(f"{self.at(fqn)}: its chunks do not cover it exactly once")
 
     def _bad_nbytes(self, j: int, sizes: tuple[int, ...], dtype: torch.dtype, fqn: str) -> None:
@@ -372,68 +376,20 @@ class _Parser:
 
     def finish(self) -> Table:
         t = self.t
-        for name, js in t.in_file_order().items():
-            end, last = 0, -1
-            for j in js:
-                if not t.c_nbytes[j]:
-                    continue
-                if t.c_offset[j] < end:
-                    a, b = t.names[t.c_tensor[last]], t.names[t.c_tensor[j]]
-                    raise CorruptCheckpointError(
-                        f"{self.where}: tensors {a!r} and {b!r} overlap in {name} at byte "
-                        f"{t.c_offset[j]}"
-                    )
-                end, last = t.c_offset[j] + t.c_nbytes[j], j
+        off = np.frombuffer(t.c_offset, dtype=np.int64)
+        nbytes = np.frombuffer(t.c_nbytes, dtype=np.int64)
+        for name, order in t.in_file_order().items():
+            held = order[nbytes[order] > 0]
+            starts, ends = off[held], off[held] + nbytes[held]
+            clash = np.flatnonzero(starts[1:] < ends[:-1])
+            if clash.size:
+                i = int(clash[0])
+                a, b = (t.names[t.c_tensor[int(j)]] for j in held[i : i + 2])
+                raise CorruptCheckpointError(
+                    f"{self.where}: tensors {a!r} and {b!r} overlap in {name} at byte "
+                    f"{int(starts[i + 1])}"
+                )
         return t
-
-
-def covers(
-    shape: tuple[int, ...],
-    numel: int,
-    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]],
-    at: str,
-) -> bool:
-    """Whether ``boxes`` (the chunks that hold elements, each inside ``shape``) cover every
-    element exactly once.
-
-    Only the dimensions along which some chunk is split matter. Split along one (the usual
-    row or column sharding): sort by offset and sweep, each chunk starting where the previous
-    one ended, the last ending at the edge -- O(n log n). Along several: the count of chunks
-    covering an element is the prefix sum of the signed corners of the chunks (+1 at each
-    box's lower corner, -1 where one coordinate is at its end, ...); the chunks tile the
-    tensor exactly when their corners, summed, are the tensor's own. O(n * 2^dims) with a dict.
-    """
-    if not numel:
-        return True  # every chunk inside an empty tensor is empty
-    if not boxes:
-        return False
-    split = [k for k in range(len(shape)) if any(o[k] != 0 or s[k] != shape[k] for o, s in boxes)]
-    if not split:
-        return len(boxes) == 1
-    if len(split) == 1:
-        k = split[0]
-        pos = 0
-        for start, size in sorted((o[k], s[k]) for o, s in boxes):
-            if start != pos:
-                return False
-            pos += size
-        return pos == shape[k]
-    if len(split) > MAX_SPLIT_DIMS or len(boxes) << len(split) > CORNER_BUDGET:
-        raise CorruptCheckpointError(
-            f"{at}: {len(boxes)} chunks split it along {len(split)} dimensions, more than "
-            "unbroken checks (a checkpoint of ours splits a tensor along a few)"
-        )
-    acc: dict[tuple[int, ...], int] = {}
-    whole = ((0,) * len(shape), shape)
-    for sign, (lo, n) in itertools.chain(((-1, whole),), ((1, b) for b in boxes)):
-        ends = [((lo[k], 1), (lo[k] + n[k], -1)) for k in split]
-        for corner in itertools.product(*ends):
-            key = tuple(c for c, _ in corner)
-            w = sign
-            for _, e in corner:
-                w *= e
-            acc[key] = acc.get(key, 0) + w
-    return not any(acc.values())
 
 
 def _ints(value: Any) -> tuple[int, ...] | None:
