@@ -151,6 +151,18 @@ class SupervisorArea:
         """The run directory the trainer told through the channel (None if it told none)."""
         return read_channel(self.channel, self.channel_ident)
 
+    def may_hold_snapshot(self) -> bool:
+        """Whether there can be anything to persist: the trainer told its run directory (it
+        does before its first snapshot) and a snapshot directory is there. Cheap, torch-free:
+        a supervisor of a command that takes no snapshots never imports the store."""
+        try:
+            if os.stat(self.channel).st_size == 0:
+                return False
+            names = os.listdir(os.path.join(self.path, "checkpoints"))  # (store/_layout.py)
+        except OSError:
+            return False
+        return any(n.startswith("step-") for n in names)
+
     def discard(self) -> None:
         """Remove the area and its channel, if they are still what this supervisor created."""
         try:

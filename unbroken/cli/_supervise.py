@@ -275,7 +275,7 @@ class Supervisor:
     def _persist_snapshot(self) -> str:
         """After a death: commit the trainer's newest in-memory snapshot durably, if it is
         newer than its last checkpoint (imports torch, once per crash)."""
-        if self.shm is None:
+        if self.shm is None or not self.shm.may_hold_snapshot():
             return ""
         from ..store._snapshot import persist_own
 

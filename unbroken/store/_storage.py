@@ -294,7 +294,8 @@ class TensorReader(StorageReader):
         return safe_file(self.directory, name)
 
     def _fill(self, reads: Any, chunk: Chunk, item: Any, target: torch.Tensor, cached: Any) -> Any:
-        dtype = self.table[chunk.fqn].dtype
+        # By index: table[fqn] would build an Entry of every chunk of the tensor, per chunk.
+        dtype = self.table.dtype_of(self.table.index[chunk.fqn])
         whole = not any(item.storage_offsets) and tuple(item.lengths) == chunk.sizes
         if whole and _fits(target, dtype, chunk.nbytes):
             reads.into(chunk, target)
