@@ -110,6 +110,7 @@ class Slots:
         self._open: dict[tuple[str, int], _Slot] = {}
         self._current: dict[str, int] = {}  # data file -> the slot its newest commit links
         self._pending: dict[str, int] = {}  # written for the save in progress
+        self._names: set[str] = set()  # the data files this process (rank) writes
 
     def path(self, name: str, idx: int) -> str:
         return os.path.join(self.dir, f"{name}.{idx}")
@@ -120,6 +121,7 @@ class Slots:
         """Like ``_direct.write_chunks``: ``path`` holds every tensor's bytes (as a hard link to
         the free slot); returns ([(key, offset, nbytes, xxh3)], file size)."""
         name = os.path.basename(path)
+        self._names.add(name)
         idx = 1 - self._in_use(name)
         items = [(key, t.detach()) for key, t in tensors]
         layout, pos = [], 0
@@ -207,14 +209,10 @@ class Slots:
         return None
 
     def release_unused(self) -> None:
-        """Unmap every slot and give back the memory of those no committed snapshot links
-        (snapshots are off: the newest one stays complete for the supervisor to persist)."""
+        """Unmap this rank's slots and give back the memory of those no committed snapshot
+        links (snapshots are off: the newest one stays complete for the supervisor)."""
         self.close()
-        try:
-            names = {n.rsplit(".", 1)[0] for n in os.listdir(self.dir)}
-        except OSError:
-            return
-        for name in names:
+        for name in self._names:
             keep = self._current.get(name, self._linked(name))
             for idx in (0, 1):
                 if idx == keep:
