@@ -1,22 +1,25 @@
 """Fuzzing the checkpoint reader: mutated real checkpoints give clean CheckpointErrors only.
 
 Hypothesis mutates one file of a real format-2 checkpoint per example -- bytes flipped,
-truncated, inserted, overwritten, or a JSON value anywhere in a JSON file replaced by another
-(numbers at the edges, wrong types, deep nesting) -- and, most of the time, fixes up the
-manifest's checksums so that the mutation reaches the parsers instead of stopping at the
-checksum. Then it runs what a resume runs (verify, the content checks ``inspect`` shares with the
-load, the restore into fresh objects) and allows only CheckpointError out. Each example has an
-alarm (no hang); the peak resident memory of the whole run must stay under twice the checkpoint
-size above what one clean restore takes.
+truncated, inserted, overwritten, a JSON value anywhere in a JSON file replaced by another
+(numbers at the edges, wrong types, deep nesting), or the structure of tensors.json changed
+(tests/_structural.py: a tensor split into any number of chunks or merged back, holes and
+overlaps at any chunk count, the table inflated with extra entries) -- and, most of the time,
+fixes up the manifest's checksums so that the mutation reaches the parsers instead of stopping
+at the checksum. Then it runs what a resume runs (verify, the content checks ``inspect``
+shares with the load, the restore) and allows only CheckpointError out. Each input has an
+alarm (no hang); the peak resident memory while reading one must stay under twice the size of
+the checkpoint (as mutated). At scale, a table of 10^5 chunks or entries: the same bounds, and
+an exact split loads bit for bit.
 
 UNBROKEN_FUZZ_EXAMPLES sets the number of examples (default 10000).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
-import resource
 import shutil
 import signal
 import tempfile
@@ -26,6 +29,8 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from tests import _structural
+from tests._memory import peak, reset_peak
 from tests._store_helpers import ckpt, refresh_manifest, write_manifest_raw
 from unbroken import CheckpointError, StateError
 from unbroken.state import Counters, Registry
@@ -61,11 +66,12 @@ def _pristine(rows: int) -> tuple[str, dict[str, bytes]]:
     return d, files
 
 
-def _load(d: str, rows: int) -> None:
+def _load(d: str, reg: Registry) -> None:
+    """What a resume runs, restoring into ``reg`` (made once: a fresh model per input would
+    be the test's memory, not the reader's)."""
     r = CheckpointReader(d)
     r.verify()
     r.check_contents()
-    reg = _registry(1, rows)
     trees = {**r.global_trees(), **(r.local_trees(0) or {})}
     names = reg.check_names(trees)
     targets = reg.plan(names, trees, r.tensor_infos())
@@ -108,7 +114,16 @@ def _replace(doc: Any, path: tuple, value: Any) -> Any:
     return doc
 
 
+# Chunk counts and entries around the edges that matter (one, a few, 64/65, many).
+COUNTS = [1, 2, 3, 4, 5, 63, 64, 65, 255, 1000]
 mutation = st.one_of(
+    st.tuples(
+        st.just("table"),
+        st.sampled_from(_structural.KINDS),
+        st.sampled_from(COUNTS),
+        st.integers(0, 1 << 20),
+        st.integers(0, 7).map(bool),  # fixed up 7 times in 8
+    ),
     st.tuples(
         st.just("bytes"),
         st.sampled_from(sorted([*JSON_FILES, BIN])),
@@ -129,6 +144,9 @@ mutation = st.one_of(
 
 
 def _apply(d: str, files: dict[str, bytes], m: tuple) -> None:
+    if m[0] == "table":
+        _structural.apply(d, files, m)
+        return
     if m[0] == "bytes":
         # In place, without copying the file (the memory test measures the reader, not this).
         _, name, op, pos, data, fix = m
@@ -200,8 +218,11 @@ def _alarm(*_: object) -> None:
 PER_EXAMPLE = 10  # mutated inputs per Hypothesis example: its engine costs more than a load
 
 
-def _fuzz(d: str, files: dict[str, bytes], rows: int, inputs: int) -> dict[str, int]:
-    seen = {"ok": 0, "refused": 0}
+def _fuzz(d: str, files: dict[str, bytes], rows: int, inputs: int, measure: bool = False) -> dict:
+    """``inputs`` mutated inputs, each loaded; with ``measure``, how far the peak resident
+    memory rose over the whole run, against the largest input checkpoint."""
+    seen = {"ok": 0, "refused": 0, "grown": 0, "largest": 0}
+    reg = _registry(1, rows)
     old = signal.signal(signal.SIGALRM, _alarm)
 
     @settings(
@@ -217,22 +238,39 @@ def _fuzz(d: str, files: dict[str, bytes], rows: int, inputs: int) -> dict[str, 
         for m in ms:
             _restore_files(d, files)
             _apply(d, files, m)
-            signal.alarm(10)
-            try:
-                _load(d, rows)
-                seen["ok"] += 1
-            except (CheckpointError, StateError):  # StateError: components renamed or dropped
-                seen["refused"] += 1
-            finally:
-                signal.alarm(0)
+            ok, _, size = _one(d, reg, measure=False)
+            seen["ok" if ok else "refused"] += 1
+            seen["largest"] = max(seen["largest"], size)
+            if m[0] == "table":  # exact layouts load, holes and overlaps never do
+                assert ok == _structural.loads(m), m[:3]
 
+    base = reset_peak() if measure else 0
     try:
         one()
     finally:
         signal.signal(signal.SIGALRM, old)
         _restore_files(d, files)
         shutil.rmtree(os.path.dirname(os.path.dirname(os.path.dirname(d))), ignore_errors=True)
+    if measure:
+        seen["grown"] = peak() - base
     return seen
+
+
+def _one(d: str, reg: Registry, measure: bool, alarm: int = 10) -> tuple[bool, int, int]:
+    """Load the checkpoint ``d`` as it is now: (loaded, peak growth, its size)."""
+    size = sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))
+    if measure:
+        gc.collect()
+        base = reset_peak()
+    signal.alarm(alarm)
+    try:
+        _load(d, reg)
+        ok = True
+    except (CheckpointError, StateError):  # StateError: components renamed or dropped
+        ok = False
+    finally:
+        signal.alarm(0)
+    return ok, (peak() - base) if measure else 0, size
 
 
 def test_fuzzed_checkpoints_only_raise_checkpoint_errors():
@@ -242,17 +280,48 @@ def test_fuzzed_checkpoints_only_raise_checkpoint_errors():
     print(f"fuzz: {seen}")
     assert seen["ok"] + seen["refused"] >= EXAMPLES
     assert seen["refused"] > EXAMPLES // 2  # the mutations reach the checks
+    assert seen["ok"] > EXAMPLES // 100  # ... and exact splits and merges load
 
 
 def test_fuzzed_checkpoints_stay_within_twice_their_size_in_memory():
-    """The same mutations of a 16 MiB checkpoint: the peak resident memory grows by less than
-    twice the checkpoint's size over the clean restore (which itself holds one copy)."""
+    """The same mutations of a 16 MiB checkpoint: over all of them, the peak resident memory
+    rises by less than twice the checkpoint's size (the restore is in place, into one model)."""
     rows = 4096
     d, files = _pristine(rows)
-    size = sum(len(b) for b in files.values())
-    _load(d, rows)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    seen = _fuzz(d, files, rows, max(200, EXAMPLES // 50))
-    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    print(f"fuzz: {seen}; peak RSS grew {grown} bytes over a {size}-byte checkpoint")
-    assert grown < 2 * size, (grown, size)
+    seen = _fuzz(d, files, rows, max(200, EXAMPLES // 50), measure=True)
+    print(f"fuzz: {seen}")
+    assert seen["grown"] < 2 * seen["largest"], seen
+
+
+SCALE = [
+    ("table", "split", 100_000, 0, True),
+    ("table", "hole-and-overlap", 100_000, 54_321, True),
+    ("table", "inflate-empty", 100_000, 0, True),
+    ("table", "inflate-alias", 100_000, 0, True),
+]
+
+
+def test_tables_of_100000_chunks_or_entries():
+    """The 16 MiB checkpoint's big tensor split into 10^5 chunks (loads bit for bit) or with a
+    hole and an overlap among them, its table inflated by 10^5 entries (empty tensors: refused
+    early; tiny ones aliasing the data: refused): clean errors, no hang, under twice the
+    mutated checkpoint's size in memory."""
+    rows = 4096
+    d, files = _pristine(rows)
+    want = _registry(0, rows).get("model").big.detach().clone()
+    reg = _registry(1, rows)
+    try:
+        for m in SCALE:
+            loads = _structural.loads(m)
+            _restore_files(d, files)
+            _apply(d, files, m)
+            with torch.no_grad():
+                reg.get("model").big.zero_()
+            ok, grown, size = _one(d, reg, measure=True, alarm=120)
+            print(f"{m[1]} x{m[2]}: {'loaded' if ok else 'refused'}, grew {grown} over {size}")
+            assert ok == loads, m
+            assert grown < 2 * size, (m, grown, size)
+            if loads:
+                assert torch.equal(reg.get("model").big, want)
+    finally:
+        shutil.rmtree(os.path.dirname(os.path.dirname(os.path.dirname(d))), ignore_errors=True)

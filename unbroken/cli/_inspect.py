@@ -171,9 +171,7 @@ class _UsageError(Exception):
 
 def inspect(args: argparse.Namespace) -> int:
     try:
-        reader = _open(args.path, args.step, checksums=not args.no_verify)
-        reader.check_contents()  # refuse what a restore would refuse (nothing is restored)
-        info = describe(reader)
+        info = _read_described(args.path, args.step, checksums=not args.no_verify)
     except _UsageError as e:
         print(f"unbroken inspect: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -186,6 +184,51 @@ def inspect(args: argparse.Namespace) -> int:
         for line in format_info(info):
             print(line)
     return EXIT_OK
+
+
+RETENTION_RETRIES = 100
+
+
+def _read_described(path: str, step: int | None, *, checksums: bool) -> dict[str, Any]:
+    """:func:`describe` of the checkpoint :func:`_open` finds, after every check a load runs.
+    A live run's retention may delete it while it is read: that is not corruption. Asked for
+    a run directory's newest checkpoint, read the newest again; asked for that very
+    checkpoint, say it was deleted."""
+    target = _asked_for(path, step)  # None: the newest of a run directory
+    existed = target is not None and os.path.isdir(target)
+    for _ in range(RETENTION_RETRIES):
+        reader = None
+        try:
+            reader = _open(path, step, checksums=checksums)
+            reader.check_contents()  # refuse what a restore would refuse (nothing is restored)
+            return describe(reader)
+        except (CheckpointError, OSError):
+            gone = target if target is not None else getattr(reader, "path", None)
+            if gone is None or os.path.lexists(gone) or (target is not None and not existed):
+                raise
+            if target is None:
+                continue  # a newer one committed before this one was deleted: read that
+            raise CheckpointNotFoundError(
+                f"{gone} was deleted while it was being read (retention of a live run?); "
+                "nothing is wrong with the run directory"
+            ) from None
+    raise CheckpointNotFoundError(
+        f"every checkpoint of {path} was deleted while it was being read, "
+        f"{RETENTION_RETRIES} times in a row (retention of a live run saving very often?)"
+    )
+
+
+def _asked_for(path: str, step: int | None) -> str | None:
+    """The checkpoint directory the command names (itself, or RUN's --step), else None."""
+    from ..store import _layout
+    from ..store._manifest import MANIFEST
+
+    name = os.path.basename(os.path.normpath(path))
+    if os.path.lexists(os.path.join(path, MANIFEST)) or _layout.parse_step(name) is not None:
+        return path
+    if step is not None:
+        return os.path.join(_layout.checkpoints_dir(path), _layout.step_name(step))
+    return None
 
 
 def _open(path: str, step: int | None, *, checksums: bool) -> CheckpointReader:

@@ -144,7 +144,8 @@ class Supervisor:
         self.attempts: list[Attempt] = []
         self.tty: int | None = None
         # In-memory snapshots: the trainer writes them here; a crash loses at most one step.
-        self.area: str | None = None if args.no_snapshots else _shm.supervisor_area()
+        self.shm = _snapshot_area(args)
+        self.area: str | None = None if self.shm is None else self.shm.path
         self.stops = _job.stop_area()  # where each launch's ranks say they saved and stopped
 
     # -- signals ------------------------------------------------------------------------
@@ -283,12 +284,12 @@ class Supervisor:
         """After a death: commit the trainer's newest in-memory snapshot durably, if it is
         newer than its last checkpoint (imports torch, once per crash). Returns (its step,
         a note for the report)."""
-        if self.area is None or not os.path.isdir(self.area):
+        if self.shm is None or not self.shm.may_hold_snapshot():
             return None, ""
-        from ..store._snapshot import persist_area
+        from ..store._snapshot import persist_own
 
         try:
-            got = persist_area(self.area)
+            got = persist_own(self.shm)  # only its own area, into the run directory told
         except Exception as e:  # keep supervising: the durable checkpoints are still there
             _say(f"could not persist the in-memory snapshot: {e}")
             return None, f"snapshot not persisted: {e}"
@@ -306,6 +307,18 @@ class Supervisor:
                 return True
             time.sleep(min(left, 0.05))
         return False
+
+
+def _snapshot_area(args: argparse.Namespace) -> _shm.SupervisorArea | None:
+    """This supervisor's private snapshot area (unbroken/_shm.py); None when snapshots are off
+    -- asked for, or refused (say, another user owns /dev/shm/unbroken-<uid>): said once."""
+    if args.no_snapshots:
+        return None
+    try:
+        return _shm.SupervisorArea.create()
+    except (_shm.Refused, OSError) as e:
+        _say(f"in-memory snapshots are off, durable saves only: {e}")
+        return None
 
 
 def _requeue(job: str) -> tuple[bool, str]:
@@ -373,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
         pass  # no controlling terminal: nothing can deliver Ctrl-C to the child but us
     old = {s: signal.signal(s, sup._on_signal) for s in FORWARDED}
     t0 = time.monotonic()
-    if sup.area is not None and _shm.stale_areas():
+    if sup.shm is not None and _shm.any_stale():
         # Left by a supervisor that was killed itself: keep what it held, then free it.
         from ..store._snapshot import reap_stale
 
@@ -388,8 +401,8 @@ def run(args: argparse.Namespace) -> int:
             os.close(sup.tty)
         if sup.launch is not None:
             sup.launch.kill()  # the supervisor failed itself: leave no rank behind
-        if sup.area is not None:
-            _shm.discard(sup.area)
+        if sup.shm is not None:
+            sup.shm.discard()
         _job.discard(sup.stops)
     elapsed = time.monotonic() - t0
     restarts = max(len(sup.attempts) - 1, 0)

@@ -167,12 +167,30 @@ def write_safetensors(
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        # safetensors creates its file 0600 whatever the umask; an export is a file the user
+        # writes, readable by whom the umask allows (colleagues on a shared machine).
+        os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except (OSError, SafetensorError) as e:
         raise CheckpointError(f"cannot write {path}: {e}") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux tells it (another thread may
+    create files meanwhile); else set and put back."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def run_guarded(name: str, fn: Any, args: argparse.Namespace) -> int:

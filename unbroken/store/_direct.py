@@ -334,14 +334,19 @@ class VerifiedReads:
         self.into(chunk, t)
         return t
 
-    def finish(self) -> None:
-        os.close(self.fd)
-        for chunk, got in self.pending:
+    def check(self) -> None:
+        """Raise for the first chunk read so far whose bytes do not match; forget the rest."""
+        pending, self.pending = self.pending, []
+        for chunk, got in pending:
             if got != chunk.xxh3:
                 raise CorruptCheckpointError(
                     f"{self.path} does not match its xxh3 checksum (corrupted) in tensor "
                     f"{chunk.fqn!r} (bytes {chunk.offset}...{chunk.offset + chunk.nbytes})"
                 )
+
+    def finish(self) -> None:
+        os.close(self.fd)
+        self.check()
 
     def abandon(self) -> None:
         try:

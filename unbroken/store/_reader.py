@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -16,6 +16,7 @@ import torch
 from .._errors import CheckpointError, CorruptCheckpointError
 from ..state import TensorInfo, _tree
 from . import _format, _layout, _manifest, _storage
+from ._table import Table
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -53,9 +54,9 @@ class CheckpointReader:
                 "must not be renamed"
             )
         self.format_version: int = self.manifest["format_version"]
-        self._infos: dict[str, TensorInfo] | None = None
+        self._infos: Mapping[str, TensorInfo] | None = None
         self._metadata: Any = None  # format 1: DCP metadata
-        self._table: dict[str, _format.Entry] | None = None  # format 2
+        self._table: Table | None = None  # format 2
 
     @property
     def world_size(self) -> int:
@@ -87,7 +88,7 @@ class CheckpointReader:
         # checksums match but whose metadata is unsafe or malformed is skipped by latest().
         self.tensor_infos()
         if self._table is not None:
-            unlisted = _format.data_files(self._table) - set(self.manifest["files"])
+            unlisted = self._table.data_files() - set(self.manifest["files"])
             if unlisted:
                 raise CorruptCheckpointError(f"{self.path}: manifest does not list {unlisted}")
             if checksums and data:
@@ -139,7 +140,7 @@ class CheckpointReader:
         return comps
 
     @_located
-    def tensor_infos(self) -> dict[str, TensorInfo]:
+    def tensor_infos(self) -> Mapping[str, TensorInfo]:
         if self._infos is None:
             if self.format_version == 1:
                 from . import _v1
@@ -149,7 +150,7 @@ class CheckpointReader:
             else:
                 sizes = {n: int(r["size"]) for n, r in self.manifest["files"].items()}
                 self._table = _storage.read_table(self.path, sizes)
-                self._infos = {k: TensorInfo(e.shape, e.dtype) for k, e in self._table.items()}
+                self._infos = self._table.infos()
         return self._infos
 
     @_located

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import stat
+from collections.abc import Iterator
 from typing import Any
 
 from .._errors import CorruptCheckpointError, UnsafeCheckpointError
@@ -103,18 +104,20 @@ def parse_json(raw: bytes, where: str) -> Any:
 
 
 def _check_depth(doc: Any, where: str) -> None:
-    # Iterative, so that a deep document cannot exhaust the stack of the code that walks it.
-    stack = [(doc, 1)]
+    # Iterative, so that a deep document cannot exhaust the stack of the code that walks it;
+    # a stack of iterators (one per level), not of nodes, so that a wide one costs nothing.
+    stack: list[Iterator[Any]] = [iter((doc,))]
     while stack:
-        node, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise CorruptCheckpointError(
-                f"{where} is nested more than {MAX_JSON_DEPTH} levels deep; not unbroken's"
-            )
-        if isinstance(node, dict):
-            stack.extend((v, depth + 1) for v in node.values())
-        elif isinstance(node, list):
-            stack.extend((v, depth + 1) for v in node)
+        for node in stack[-1]:
+            if isinstance(node, dict | list) and node:
+                if len(stack) >= MAX_JSON_DEPTH:
+                    raise CorruptCheckpointError(
+                        f"{where} is nested more than {MAX_JSON_DEPTH} levels deep; not unbroken's"
+                    )
+                stack.append(iter(node.values() if isinstance(node, dict) else node))
+                break
+        else:
+            stack.pop()
 
 
 def read_json(directory: str, name: str, limit: int = MAX_JSON_BYTES) -> Any:

@@ -20,6 +20,7 @@ Readers (persist, restore from memory) see an ordinary format-2 checkpoint direc
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import stat
@@ -37,8 +38,29 @@ SLOTS = "slots"
 _EMPTY = xxhash.xxh3_64_hexdigest(b"")
 
 
+def _reserve(fd: int, size: int, path: str) -> None:
+    """Allocate every page of the slot now. Written through a mapping, a sparse tmpfs file
+    takes its pages at the first touch -- and a full /dev/shm then kills the process with
+    SIGBUS in the middle of a copy. Here a full one is an ENOSPC, raised before anything is
+    written (the snapshot fails cleanly and snapshots turn off); the file goes back to 0."""
+    if not size:
+        return
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            zeros = bytes(1 << 20)  # no fallocate here: writing allocates as well
+            for at in range(0, size, len(zeros)):
+                os.pwrite(fd, zeros[: min(len(zeros), size - at)], at)
+    except OSError as e:
+        os.ftruncate(fd, 0)
+        raise OSError(e.errno, e.strerror, path) from None
+
+
 class _Slot:
-    """One slot file, mapped shared and writable."""
+    """One slot file, mapped shared and writable, every page allocated."""
 
     def __init__(self, path: str, size: int, layout: list[Any]) -> None:
         self.path, self.size, self.layout = path, size, layout
@@ -51,6 +73,7 @@ class _Slot:
             # truncating to 0 first makes the gaps between chunks zero, as format 2 says.
             os.ftruncate(fd, 0)
             os.ftruncate(fd, size)
+            _reserve(fd, size, path)
             self.ino = (st.st_dev, st.st_ino)
             self.map = mmap.mmap(fd, size) if size else None
         finally:
@@ -87,6 +110,7 @@ class Slots:
         self._open: dict[tuple[str, int], _Slot] = {}
         self._current: dict[str, int] = {}  # data file -> the slot its newest commit links
         self._pending: dict[str, int] = {}  # written for the save in progress
+        self._names: set[str] = set()  # the data files this process (rank) writes
 
     def path(self, name: str, idx: int) -> str:
         return os.path.join(self.dir, f"{name}.{idx}")
@@ -97,6 +121,7 @@ class Slots:
         """Like ``_direct.write_chunks``: ``path`` holds every tensor's bytes (as a hard link to
         the free slot); returns ([(key, offset, nbytes, xxh3)], file size)."""
         name = os.path.basename(path)
+        self._names.add(name)
         idx = 1 - self._in_use(name)
         items = [(key, t.detach()) for key, t in tensors]
         layout, pos = [], 0
@@ -157,11 +182,15 @@ class Slots:
         return s
 
     def _in_use(self, name: str) -> int:
-        """The slot not to overwrite: the one the newest committed snapshot links. A fresh
-        process (a relaunch) finds it on disk by inode, as the area's checkpoint directories
-        link it; -> 1 when none does (slot 0 is then written first)."""
+        """The slot not to overwrite: the one the newest committed snapshot links (a fresh
+        process, a relaunch, finds it on disk); -> 1 when none does (slot 0 is written first)."""
         if name in self._current:
             return self._current[name]
+        linked = self._linked(name)
+        return 1 if linked is None else linked
+
+    def _linked(self, name: str) -> int | None:
+        """The slot of ``name`` a committed snapshot of the area links (by inode), if any."""
         inodes = {}
         for idx in (0, 1):
             try:
@@ -177,7 +206,27 @@ class Slots:
             got = inodes.get((st.st_dev, st.st_ino))
             if got is not None:
                 return got
-        return 1
+        return None
+
+    def release_unused(self) -> None:
+        """Unmap this rank's slots and give back the memory of those no committed snapshot
+        links (snapshots are off: the newest one stays complete for the supervisor)."""
+        self.close()
+        for name in self._names:
+            keep = self._current.get(name, self._linked(name))
+            for idx in (0, 1):
+                if idx == keep:
+                    continue
+                try:
+                    fd = os.open(self.path(name, idx), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                except OSError:
+                    continue
+                try:
+                    st = os.fstat(fd)
+                    if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+                        os.ftruncate(fd, 0)
+                finally:
+                    os.close(fd)
 
     def used_bytes(self) -> int:
         """Bytes the area's files take, each inode once (the slots are linked from the

@@ -1,20 +1,24 @@
 """In-memory snapshots: lose at most one step to a crash.
 
-Under ``unbroken run`` the supervisor gives the trainer a directory in shared memory
-(``/dev/shm``) through :data:`ENV`. The trainer commits a snapshot there every
-``snapshot_every`` steps -- a complete checkpoint, committed by the same store and commit
-protocol as a durable one (temporary name, manifest last, rename), so a snapshot is never torn:
-a kill during one leaves the previous one. Its tensor bytes go into one of two fixed slots per
-rank, preallocated once and overwritten in place (store/_slots.py: never the slot the newest
-snapshot links), so a snapshot costs about one ``copy_`` of the state and a hash: no disk, no
-fsync reaching a disk, no fresh tmpfs pages.
+Under ``unbroken run`` the supervisor gives the trainer a private area in shared memory
+(``/dev/shm/unbroken-<uid>/sup-...``, see unbroken/_shm.py for who may touch it) through
+:data:`ENV`. The trainer commits a snapshot there every ``snapshot_every`` steps -- a complete
+checkpoint, committed by the same store and commit protocol as a durable one (temporary name,
+manifest last, rename), so a snapshot is never torn: a kill during one leaves the previous one.
+Its tensor bytes go into one of two fixed slots per rank, allocated in full once and
+overwritten in place (store/_slots.py: never the slot the newest snapshot links), so a
+snapshot costs about one ``copy_`` of the state and a hash: no disk, no fsync reaching a disk,
+no fresh tmpfs pages -- and no write can meet a full ``/dev/shm`` halfway (SIGBUS). When memory
+runs out anyway (allocating a slot, writing the JSON), snapshots are off for the rest of the
+process with a warning, and durable saves go on.
 
-When the trainer dies without a clean exit, the supervisor (:func:`persist`) commits the newest
-snapshot that verifies into the run directory through the durable commit protocol (its files
-copied, fsynced, renamed into place) -- unless a durable checkpoint of that step or a later one
-exists -- and relaunches; the relaunch resumes from it like from any checkpoint. A relaunch on
-the same node reads the tensors of the checkpoint it resumes from the snapshot area when the
-very same snapshot is there (same manifest checksum), instead of the disk.
+When the trainer dies without a clean exit, the supervisor (:func:`persist_own`) commits the
+newest snapshot that verifies into the run directory the trainer told it through the area's
+channel (never one a snapshot names) through the durable commit protocol -- its files copied,
+the copy verified (checksums, table), fsynced, renamed into place -- unless a durable checkpoint
+of that step or a later one exists, and relaunches; the relaunch resumes from it like from any
+checkpoint. A relaunch on the same node reads the tensors of the checkpoint it resumes from the
+snapshot area when the very same snapshot is there (same manifest checksum), instead of the disk.
 
 What survives what: a crash, kill -9 or OOM kill of the trainer -> the snapshot (at most
 ``snapshot_every - 1`` steps lost); the node -> only durable checkpoints.
@@ -22,30 +26,28 @@ What survives what: a crash, kill -9 or OOM kill of the trainer -> the snapshot 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
 from typing import Any
 
-from .._errors import CheckpointError, LockError
+from .. import _shm
+from .._errors import CheckpointError, CheckpointWriteError, LockError
 from .._logfile import METRICS_FILE
 from .._shm import ENV as ENV
-from .._shm import SHM, discard, stale_areas
-from .._shm import supervisor_area as supervisor_area
+from .._shm import SHM
 from . import _fsops, _layout, _manifest, _storage
 from ._lock import WriterLock
 from ._reader import CheckpointReader
+from ._safeio import safe_file
 from ._slots import Slots
 from ._store import CheckpointStore, Retention
 
 log = logging.getLogger("unbroken")
 
 
-def area_for(run_dir: str, base: str = SHM) -> str:
-    """The snapshot directory of ``run_dir`` on this node (one per run directory and user)."""
-    key = hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:16]
-    return os.path.join(base, f"unbroken-{os.getuid()}-{key}")
+class SnapshotsOff(Exception):
+    """In-memory snapshots cannot be used here; the message says why (durable saves go on)."""
 
 
 def free_bytes(path: str) -> int:
@@ -54,11 +56,19 @@ def free_bytes(path: str) -> int:
 
 
 class SnapshotArea:
-    """The trainer's side: commit a snapshot of a payload; keep only the newest."""
+    """The trainer's side: commit a snapshot of a payload; keep only the newest. Raises
+    SnapshotsOff when ``root`` is not this user's private area (another user's directory, a
+    link, one others can write in)."""
 
     def __init__(self, root: str, clean: bool = True) -> None:
         self.root = root
-        os.makedirs(root, mode=0o700, exist_ok=True)
+        try:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise SnapshotsOff(f"cannot create snapshot area {root}: {e.strerror}") from None
+        why = _shm.check_private(root)
+        if why is not None:
+            raise SnapshotsOff(why)
         # keep_last=1: the new snapshot commits before the previous one is deleted, so the area
         # holds at most two (the double buffer) and always one complete one.
         self.store = CheckpointStore(root, Retention(keep_last=1))
@@ -66,6 +76,7 @@ class SnapshotArea:
             self.store.clean_stale()
         self.slots = Slots(root)
         self.disabled: str | None = None
+        self._told: str | None = None
 
     def fits(self, nbytes: int) -> bool:
         """Whether two snapshots of ``nbytes`` fit (the new one beside the previous one)."""
@@ -82,10 +93,24 @@ class SnapshotArea:
     def _used(self) -> int:
         return self.slots.used_bytes()
 
-    def save(self, step: int, payload: Any, meta: dict[str, Any], group: Any = None) -> str:
+    def save(self, step: int, payload: Any, meta: dict[str, Any], group: Any = None) -> str | None:
+        """Commit a snapshot of ``step``; its path, or None when it could not be written (a full
+        ``/dev/shm``, say): :attr:`disabled` then says why, on every rank (the store agrees on
+        failures), and snapshots are off."""
+        if self.disabled is not None:
+            return None
+        run_dir = meta.get("run_dir")
+        if _is_rank0() and isinstance(run_dir, str) and run_dir != self._told:
+            # Before the snapshot: a supervisor persists only into the directory told here.
+            _shm.tell_run_dir(self.root, run_dir)
+            self._told = run_dir
         try:
             with _storage.data_files_into(self.slots):
                 path = self.store.save(step, payload, meta, group=group)
+        except CheckpointWriteError as e:
+            self.slots.aborted()
+            self._turn_off(step, e)
+            return None
         except BaseException:
             self.slots.aborted()  # not committed: the previous snapshot's slot stays in use
             raise
@@ -94,6 +119,17 @@ class SnapshotArea:
             self.store.apply_retention(step)
             self._drop_newer(step)
         return path
+
+    def _turn_off(self, step: int, e: CheckpointWriteError) -> None:
+        self.disabled = (
+            f"the in-memory snapshot of step {step} could not be written ({e}); in-memory "
+            "snapshots are off for the rest of this run, durable saves go on (enlarge /dev/shm, "
+            "e.g. docker --shm-size, or free it)"
+        )
+        log.warning("unbroken: %s", self.disabled)
+        # Give the memory back: the slot not linked by the previous snapshot (still a complete
+        # one, which the supervisor persists if it is newer than the durable checkpoints).
+        self.slots.release_unused()
 
     def _drop_newer(self, step: int) -> None:
         """Snapshots newer than the one just taken belong to a history the trainer left (it
@@ -130,45 +166,59 @@ def _is_rank0() -> bool:
 
 
 def persist(area: str, run_dir: str) -> int | None:
-    """Commit the newest snapshot of ``area`` into ``run_dir`` if it is newer than every durable
-    checkpoint there; returns its step, or None when there was nothing newer to keep."""
+    """Commit the newest snapshot of ``area`` that verifies into ``run_dir`` if it is newer
+    than every durable checkpoint there; returns its step, or None when there was nothing newer
+    to keep. ``run_dir`` comes from the caller (the supervisor's channel), never from the area:
+    a snapshot that names another run directory is refused."""
     if not os.path.isdir(area):
         return None
-    snaps = CheckpointStore(area)
-    try:
-        snap = snaps.latest(checksums=True)
-    except CheckpointError as e:
-        log.warning("unbroken: no usable in-memory snapshot in %s: %s", area, e)
-        return None
-    if snap is None:
-        return None
-    durable = [s for s, _ in _layout.scan(run_dir)]
-    if durable and max(durable) >= snap.step:
-        return None
     os.makedirs(run_dir, exist_ok=True)
+    durable = [s for s, _ in _layout.scan(run_dir)]
+    newest = max(durable, default=-1)
+    candidates = [(s, p) for s, p in _layout.scan(area) if s > newest]
+    if not candidates:
+        return None
     lock = WriterLock(run_dir)
     try:
         lock.acquire()
     except LockError as e:
-        log.warning("unbroken: cannot persist the snapshot of step %d: %s", snap.step, e)
-        return None
+        log.warning("unbroken: cannot persist the in-memory snapshot of %s: %s", area, e)
+        raise
     try:
-        _commit_copy(snap, run_dir)
+        step = _persist_newest(candidates, run_dir)
     finally:
         lock.release()
+    if step is None:
+        return None
     metrics = os.path.join(run_dir, METRICS_FILE)
     if os.path.isfile(metrics) and not os.path.islink(metrics):
         _fsops.fsync_file(metrics)  # the log the snapshot records must survive with it
     log.warning(
-        "unbroken: the trainer died; kept its in-memory snapshot of step %d in %s",
-        snap.step,
-        run_dir,
+        "unbroken: the trainer died; kept its in-memory snapshot of step %d in %s", step, run_dir
     )
-    return snap.step
+    return step
+
+
+def _persist_newest(candidates: list[tuple[int, str]], run_dir: str) -> int | None:
+    """Commit the newest candidate whose copy verifies; the others are reported and skipped."""
+    for step, path in candidates:
+        try:
+            snap = CheckpointReader(path)
+            named = snap.meta.get("run_dir")
+            if named is not None and os.path.abspath(str(named)) != os.path.abspath(run_dir):
+                raise CheckpointError(
+                    f"it is a snapshot of {named!r}, not of {run_dir}; not persisted there"
+                )
+            _commit_copy(snap, run_dir)
+            return step
+        except CheckpointError as e:
+            log.warning("unbroken: in-memory snapshot %s not persisted: %s", path, e)
+    return None
 
 
 def _commit_copy(snap: CheckpointReader, run_dir: str) -> None:
-    """The durable commit protocol for files that already exist: copy, fsync, rename."""
+    """The durable commit protocol for files that already exist: copy, verify the copy (every
+    checksum, the table, the file set), fsync, rename."""
     root = _layout.checkpoints_dir(run_dir)
     os.makedirs(root, exist_ok=True)
     tmp = os.path.join(root, _layout.tmp_name(snap.step))
@@ -180,8 +230,13 @@ def _commit_copy(snap: CheckpointReader, run_dir: str) -> None:
         names = sorted(snap.manifest["files"]) + [_manifest.MANIFEST]  # the manifest last
         for name in names:
             dst = os.path.join(tmp, name)
-            shutil.copyfile(os.path.join(snap.path, name), dst, follow_symlinks=False)
+            src = safe_file(snap.path, name)  # a plain file: no link, no FIFO
+            shutil.copyfile(src, dst, follow_symlinks=False)
             _fsops.fsync_file(dst)
+        copy = CheckpointReader(tmp)
+        if copy.manifest.get(_manifest.SELF_CHECKSUM) != snap.manifest.get(_manifest.SELF_CHECKSUM):
+            raise CheckpointError(f"{snap.path} changed while it was copied")
+        copy.verify(checksums=True)  # what is committed is what verifies, not what did before
         _fsops.fsync_dir(tmp)
         _fsops.rename(tmp, final)
         _fsops.fsync_dir(root)
@@ -193,37 +248,35 @@ def _commit_copy(snap: CheckpointReader, run_dir: str) -> None:
 # ---- the supervisor's side ----------------------------------------------------------------------
 
 
-def persist_area(area: str) -> tuple[int, str] | None:
-    """Persist the newest snapshot of a supervisor's area into the run directory the trainer
-    recorded in it (``meta["run_dir"]``); returns (step, run_dir) or None."""
-    if not os.path.isdir(area):
-        return None
-    steps = _layout.scan(area)
-    if not steps:
-        return None
-    try:
-        run_dir = CheckpointReader(steps[0][1]).meta.get("run_dir")
-    except CheckpointError:
-        run_dir = None
-    if not isinstance(run_dir, str) or not os.path.isabs(run_dir):
-        # Only a trainer that recorded its run directory is persisted (an older one did not).
-        log.warning("unbroken: snapshot area %s names no run directory; not persisted", area)
-        return None
-    step = persist(area, run_dir)
+def persist_own(area: _shm.SupervisorArea) -> tuple[int, str] | None:
+    """After its trainer died: persist the newest snapshot of the supervisor's own area into
+    the run directory its trainer told (see :func:`persist`); returns (step, run_dir) or None.
+    Raises _shm.Refused when the area is no longer the one this supervisor created."""
+    area.check()
+    run_dir = area.run_dir()
+    if run_dir is None:
+        return None  # no snapshot was taken (the run directory is told before the first)
+    step = persist(area.path, run_dir)
     return None if step is None else (step, run_dir)
 
 
 def reap_stale(base: str = SHM) -> list[tuple[int, str]]:
-    """Areas left by supervisors that died (kill -9, say): persist their newest snapshot if it
-    is newer than the durable checkpoints, then remove them."""
+    """Areas of this user's supervisors that died (kill -9): persist the newest snapshot of
+    each into the run directory its channel names, if newer than the durable checkpoints, then
+    remove it. An area whose run directory is locked by a live trainer (an orphan of that
+    supervisor, still saving) is left for later."""
     kept = []
-    for area in stale_areas(base):
+    for area in _shm.stale_areas(base):
+        run_dir = area.run_dir()
         try:
-            got = persist_area(area)
-        except (CheckpointError, OSError) as e:
-            log.warning("unbroken: could not persist stale snapshot area %s: %s", area, e)
+            step = persist(area.path, run_dir) if run_dir is not None else None
+        except LockError:
+            area.release()
             continue
-        if got is not None:
-            kept.append(got)
-        discard(area)
+        except (CheckpointError, OSError) as e:
+            log.warning("unbroken: could not persist stale snapshot area %s: %s", area.path, e)
+            step = None
+        if step is not None and run_dir is not None:
+            kept.append((step, run_dir))
+        area.discard()
     return kept

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import threading
 import warnings
 from collections.abc import Iterator, Mapping
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import (
@@ -34,10 +36,11 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from .._errors import CorruptCheckpointError, UnbrokenError, root_oserror
-from . import _direct, _format, _fsops
-from ._format import Chunk, Entry
+from . import _direct, _format, _fsops, _safeio, _table
+from ._format import Chunk
 from ._manifest import dumps
-from ._safeio import read_json, safe_file
+from ._safeio import safe_file
+from ._table import Table
 
 _local = threading.local()
 
@@ -175,7 +178,7 @@ def _write_direct(
 
 
 _TEMPLATES: dict[tuple, tuple[bytes, list[int]]] = {}
-_DIGEST_AT = b'"xxh3_64":"'
+_DIGEST_RE = re.compile(rb'"xxh3_64":"([0-9a-f]{16})"')
 
 
 def table_bytes(chunks: list[Chunk], tensors: Mapping[str, torch.Tensor]) -> bytes:
@@ -196,7 +199,9 @@ def table_bytes(chunks: list[Chunk], tensors: Mapping[str, torch.Tensor]) -> byt
             }
         )
         raw = dumps(doc)
-        at = [raw.index(_DIGEST_AT + m.encode() + b'"') + len(_DIGEST_AT) for m in marks]
+        # One pass over the JSON (an index() per mark would rescan it: quadratic).
+        found = {m.group(1): m.start(1) for m in _DIGEST_RE.finditer(raw)}
+        at = [found[m.encode()] for m in marks]
         if len(_TEMPLATES) >= 4:
             _TEMPLATES.pop(next(iter(_TEMPLATES)))
         hit = _TEMPLATES[key] = (raw, at)
@@ -237,7 +242,7 @@ def _dcp_call() -> Iterator[None]:
 class TensorReader(StorageReader):
     """Reads format 2 for ``dcp.load``; every chunk's checksum is verified as it is read."""
 
-    def __init__(self, directory: str, table: dict[str, Entry], verify: bool = True) -> None:
+    def __init__(self, directory: str, table: Table, verify: bool = True) -> None:
         super().__init__()
         self.directory, self.table, self.verify = directory, table, verify
         self.storage_data: dict[Any, Chunk] = {}
@@ -289,7 +294,8 @@ class TensorReader(StorageReader):
         return safe_file(self.directory, name)
 
     def _fill(self, reads: Any, chunk: Chunk, item: Any, target: torch.Tensor, cached: Any) -> Any:
-        dtype = self.table[chunk.fqn].dtype
+        # By index: table[fqn] would build an Entry of every chunk of the tensor, per chunk.
+        dtype = self.table.dtype_of(self.table.index[chunk.fqn])
         whole = not any(item.storage_offsets) and tuple(item.lengths) == chunk.sizes
         if whole and _fits(target, dtype, chunk.nbytes):
             reads.into(chunk, target)
@@ -320,7 +326,7 @@ def _fits(target: torch.Tensor, dtype: torch.dtype, nbytes: int) -> bool:
 
 
 def load_tensors(
-    directory: str, table: dict[str, Entry], targets: dict[str, torch.Tensor], verify: bool = True
+    directory: str, table: Table, targets: dict[str, torch.Tensor], verify: bool = True
 ) -> None:
     """Fill ``targets`` (name -> preallocated tensor) from the format-2 payload of
     ``directory``; a chunk whose bytes do not match its checksum raises CorruptCheckpointError
@@ -339,32 +345,34 @@ def load_tensors(
         )
 
 
+DIRECT_BATCH = 4096  # chunks in flight at once: what many tiny chunks cost stays bounded
+
+
 def _load_direct(
-    directory: str, table: dict[str, Entry], targets: dict[str, torch.Tensor], verify: bool
+    directory: str, table: Table, targets: dict[str, torch.Tensor], verify: bool
 ) -> bool:
-    """In one process, when every target is a plain tensor saved whole with its shape and
-    dtype, read the chunks straight into the targets without DCP's planning. Returns False,
-    having read nothing, for anything else (DCP handles or reports it)."""
-    per_file: dict[str, list[tuple[Chunk, torch.Tensor]]] = {}
+    """In one process, when every target is a plain tensor with the saved shape and dtype,
+    read each chunk straight into its part of the target (into a temporary first where that
+    part is not contiguous) without DCP's planning. Returns False, having read nothing, for
+    anything else (DCP handles or reports it)."""
+    dests: dict[int, torch.Tensor] = {}
     for fqn, target in targets.items():
-        entry = table.get(fqn)
-        if (
-            entry is None
-            or len(entry.chunks) != 1
-            or type(target) not in (torch.Tensor, torch.nn.Parameter)
-        ):
+        i = table.index.get(fqn)
+        if i is None or type(target) not in (torch.Tensor, torch.nn.Parameter):
             return False
-        if entry.shape != tuple(target.shape) or entry.dtype != target.dtype:
+        if table.shape_of(i) != tuple(target.shape) or table.dtype_of(i) != target.dtype:
             return False
-        per_file.setdefault(entry.chunks[0].file, []).append((entry.chunks[0], target.detach()))
-    for name, pairs in per_file.items():
-        pairs.sort(key=lambda p: p[0].offset)
+        dests[i] = target.detach()
+    wanted = set(dests)
+    for name, order in table.in_file_order().items():
+        mine = [int(j) for j in order if table.c_tensor[int(j)] in wanted]
+        if not mine:
+            continue
         reads = _direct.VerifiedReads(safe_file(directory, name), verify)
         try:
-            reads.many([(c, t) for c, t in pairs if _fits(t, t.dtype, c.nbytes)])
-            for chunk, target in pairs:
-                if not _fits(target, target.dtype, chunk.nbytes):
-                    target.copy_(reads.new(chunk, target.dtype))
+            for at in range(0, len(mine), DIRECT_BATCH):
+                batch = mine[at : at + DIRECT_BATCH]
+                _read_batch(reads, table, [(j, dests[table.c_tensor[j]]) for j in batch])
             reads.finish()
         except BaseException:
             reads.abandon()
@@ -372,22 +380,54 @@ def _load_direct(
     return True
 
 
-def read_table(directory: str, file_sizes: dict[str, int]) -> dict[str, Entry]:
-    """Parse and validate ``tensors.json`` of ``directory`` (see _format.parse)."""
+def _read_batch(
+    reads: _direct.VerifiedReads, table: Table, pairs: list[tuple[int, torch.Tensor]]
+) -> None:
+    direct, staged = [], []
+    for j, dest in pairs:
+        chunk = table.chunk(j)
+        part = dest
+        if part.dim():
+            for dim, (o, n) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
+                if (o, n) != (0, part.shape[dim]):
+                    part = part.narrow(dim, o, n)
+        if _fits(part, part.dtype, chunk.nbytes):
+            direct.append((chunk, part))
+        else:
+            staged.append((chunk, part))
+    reads.many(direct)
+    for chunk, part in staged:
+        part.copy_(reads.new(chunk, part.dtype).view(part.shape))
+    reads.check()
+
+
+def read_table(directory: str, file_sizes: dict[str, int]) -> Table:
+    """Parse and validate ``tensors.json`` of ``directory`` (see _table.read)."""
     where = os.path.join(directory, _format.TABLE_FILE)
-    return _format.parse(read_json(directory, _format.TABLE_FILE), where, file_sizes)
+    fd = _safeio.open_regular(safe_file(directory, _format.TABLE_FILE))
+    try:
+        size = os.fstat(fd).st_size
+        if size > _safeio.MAX_JSON_BYTES:
+            raise CorruptCheckpointError(f"{where} is {size} bytes, more than such a file holds")
+        return _table.read(fd, where, file_sizes)
+    finally:
+        os.close(fd)
 
 
-def verify_data(directory: str, table: dict[str, Entry], files: dict[str, Any]) -> None:
+def verify_data(directory: str, table: Table, files: dict[str, Any]) -> None:
     """Check every data file's chunks against the manifest's checksum of that file."""
-    for name, chunks in _format.file_chunks(table).items():
+    for name, order in table.in_file_order().items():
         path = safe_file(directory, name)
-        digests = _direct.hash_chunks(path, chunks)
-        for c, d in zip(chunks, digests, strict=True):
-            if c.xxh3 != d:
-                raise CorruptCheckpointError(
-                    f"{path} does not match its xxh3 checksum (corrupted) in tensor {c.fqn!r}"
-                )
+        combined = xxhash.xxh3_64()  # _format.combine, a chunk at a time
+        for at in range(0, len(order), DIRECT_BATCH):
+            chunks = [table.chunk(int(j)) for j in order[at : at + DIRECT_BATCH]]
+            digests = _direct.hash_chunks(path, chunks)
+            for c, d in zip(chunks, digests, strict=True):
+                if c.xxh3 != d:
+                    raise CorruptCheckpointError(
+                        f"{path} does not match its xxh3 checksum (corrupted) in tensor {c.fqn!r}"
+                    )
+                combined.update(d.encode())
         rec = files.get(name)
-        if rec is None or rec["xxh3_64"] != _format.combine(digests):
+        if rec is None or rec["xxh3_64"] != combined.hexdigest():
             raise CorruptCheckpointError(f"{path} does not match its checksum in the manifest")

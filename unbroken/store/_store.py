@@ -44,6 +44,10 @@ from ._reader import CheckpointReader
 log = _log.get("store")
 
 
+RESCANS = 100
+"""How often :meth:`CheckpointStore.latest` scans again when retention deleted what it read."""
+
+
 @dataclass(frozen=True, slots=True)
 class Retention:
     """Which committed checkpoints to keep; the newest one is always kept."""
@@ -115,8 +119,16 @@ class CheckpointStore:
 
     def listing(self, *, checksums: bool = True) -> list[Listing]:
         """Every checkpoint directory, newest first; one deleted while it is read (retention
-        of a live run) is gone, not corrupt, and left out."""
-        out = []
+        of a live run) is gone, not corrupt, and left out -- and when that leaves no valid
+        one, the directory is scanned again (retention deletes only after a newer commit)."""
+        for _ in range(RESCANS):
+            out, vanished = self._listing(checksums)
+            if not vanished or any(item.valid for item in out):
+                break
+        return out
+
+    def _listing(self, checksums: bool) -> tuple[list[Listing], bool]:
+        out, vanished = [], False
         for step, path in _layout.scan(self.run_dir):
             valid, reason, size = True, "", 0
             try:
@@ -126,6 +138,7 @@ class CheckpointStore:
                 mtime = os.stat(path).st_mtime
             except (CheckpointError, OSError) as e:
                 if _vanished(path):
+                    vanished = True
                     continue
                 if not isinstance(e, CheckpointError):
                     raise
@@ -133,7 +146,7 @@ class CheckpointStore:
                 mtime = _mtime(path)
             pinned = os.path.exists(os.path.join(path, _layout.PINNED))
             out.append(Listing(step, path, valid, reason, size, mtime, pinned))
-        return out
+        return out, vanished
 
     def latest(self, *, checksums: bool = True, data: bool = True) -> CheckpointReader | None:
         """The newest checkpoint that verifies; each unusable newer one is reported by name.
@@ -144,29 +157,37 @@ class CheckpointStore:
         loads raise CorruptCheckpointError listing each and why: a reader that cannot read a
         run's checkpoints must not let the run start over (and retention delete them).
         """
-        failures: list[tuple[str, str]] = []
-        for _, path in _layout.scan(self.run_dir):
-            try:
-                r = CheckpointReader(path)
-                r.verify(checksums=checksums, data=data)
-                return r
-            except (CheckpointError, OSError) as e:
-                if _vanished(path):
-                    continue  # deleted by a live run's retention while we read it
-                if not isinstance(e, CheckpointError):
-                    raise
-                failures.append((path, str(e)))
-                _log.event(
-                    log,
-                    logging.WARNING,
-                    "unbroken: skipping unusable checkpoint %s: %s; trying an earlier one",
-                    path,
-                    e,
-                    path=path,
-                )
+        failures: dict[str, str] = {}
+        for _ in range(RESCANS):
+            vanished = False
+            for _, path in _layout.scan(self.run_dir):
+                if path in failures:
+                    continue
+                try:
+                    r = CheckpointReader(path)
+                    r.verify(checksums=checksums, data=data)
+                    return r
+                except (CheckpointError, OSError) as e:
+                    if _vanished(path):
+                        vanished = True  # deleted by a live run's retention while we read it
+                        continue
+                    if not isinstance(e, CheckpointError):
+                        raise
+                    failures[path] = str(e)
+                    _log.event(
+                        log,
+                        logging.WARNING,
+                        "unbroken: skipping unusable checkpoint %s: %s; trying an earlier one",
+                        path,
+                        e,
+                        path=path,
+                    )
+            if not vanished:
+                break
+            # Retention deletes a checkpoint only once a newer one committed: scan again.
         if not failures:
             return None
-        listed = "\n".join(f"  {path}: {why}" for path, why in failures)
+        listed = "\n".join(f"  {path}: {why}" for path, why in failures.items())
         raise CorruptCheckpointError(
             f"none of the {len(failures)} checkpoint(s) in {self.root} can be loaded, so the "
             f"run does not start over on top of them:\n{listed}\nRepair or move them away, "

@@ -17,7 +17,7 @@ from typing import Any
 
 from .. import _dist
 from ..store import CheckpointReader
-from ..store._snapshot import SnapshotArea
+from ..store._snapshot import SnapshotArea, SnapshotsOff
 
 log = logging.getLogger("unbroken")
 BUDGET = 0.02
@@ -43,8 +43,13 @@ class Snapshots:
         self.seconds: float | None = None
         self.taken = 0
         if root and every != 0:
-            self.area = SnapshotArea(root, clean=rank == 0)
-            _dist.barrier()  # rank 0 cleaned a killed snapshot's leftovers first
+            try:
+                self.area = SnapshotArea(root, clean=rank == 0)
+            except SnapshotsOff as e:  # not a private area (another user's, a link, ...)
+                log.warning("unbroken: in-memory snapshots are off: %s", e)
+            # Every rank or none (a snapshot is collective); also: rank 0 cleaned first.
+            if _dist.any_true(self.area is None):
+                self.area = None
 
     @property
     def active(self) -> bool:
@@ -63,7 +68,12 @@ class Snapshots:
         payload, meta = collect()
         if self.taken == 0 and not self._fits(payload):
             return time.perf_counter() - t0
-        self.area.save(step, payload, {**meta, "run_dir": self.run_dir, "snapshot": True})
+        if (
+            self.area.save(step, payload, {**meta, "run_dir": self.run_dir, "snapshot": True})
+            is None
+        ):
+            self.area = None  # memory ran out: said, and off on every rank (the store agreed)
+            return time.perf_counter() - t0
         self.seconds = time.perf_counter() - t0
         self.taken += 1
         if self.interval is None:
