@@ -69,15 +69,15 @@ class Events:
         for step, path in done:
             hook(step, path)
 
-    def stopped(self, reason: str) -> None:
+    def stopped(self, reason: str, *, saved: bool = True) -> None:
         run = self.run
         _log.event(
             log,
             logging.WARNING,
-            "unbroken: stopped at step %d (%s); checkpoint saved in %s; relaunch the same "
-            "command to continue",
+            "unbroken: stopped at step %d (%s); %s in %s; relaunch the same command to continue",
             run.counters.step,
             reason,
+            "checkpoint saved" if saved else "no step since the last save, nothing to save",
             run.dir,
             step=run.counters.step,
             path=run.dir,

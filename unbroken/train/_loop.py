@@ -25,7 +25,7 @@ import torch
 from .._errors import ConfigError, StateError
 from ..state import EMA
 from ..state._adapters import unwrap
-from . import _audit, _staging
+from . import _audit, _staging, _stopping
 from ._settings import KNOWN, Settings, Values
 
 if TYPE_CHECKING:
@@ -91,10 +91,14 @@ class Stepper:
         it: Iterator[Any] | None = None
         left = step_batches = 0
         empty_passes = 0
+        step_before = run.counters.step
         while True:
             if left == 0:
                 if run.done or run.stopped:
                     break
+                _stopping.check_step_called(run, step_before, step_batches)
+                _stopping.honour(run, "a step start")
+                step_before = run.counters.step
                 if _finished(loader):
                     it = None
                     nxt = self._advance(loader)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .. import _dist, _stops
+from .. import _dist, _signals, _stops
 from .._errors import ConfigError
 from .._exit import EXIT_RESUMABLE
 from ..data._contract import check_world, is_loader
@@ -40,6 +40,7 @@ from ._metrics import MetricsLog
 from ._progress import Progress, next_save_text, steps_for_epochs
 from ._signals import StopRequest, install_signal_handlers, process_start
 from ._snapshots import Snapshots
+from ._stopping import RepeatedStep, at_open, check_epoch, fetch_hook, honour
 
 _RESERVED = ("counters", "rng")
 
@@ -109,6 +110,9 @@ class Run:
     # ---- start-up -----------------------------------------------------------------------------
 
     def _open(self) -> None:
+        if self.world_size == 1:
+            _signals.honour_pending()  # a stop before Run(): nothing trained yet, exit 75 now
+        _signals.run_opening()
         if self.config.handle_signals:
             # From now to process exit; until training starts a stop signal exits 75 at once
             # (resuming is not training: nothing is lost).
@@ -154,8 +158,11 @@ class Run:
         self._step_seconds: float | None = None
         # The budget is the process's: counted from its start, imports and resume included.
         self._deadline = deadline(process_start(), self.config)
-        if self.config.handle_signals:
-            self._stop.install()
+        self._repeated = RepeatedStep()
+        # With handle_signals=False, handlers installed already (the supervisor's) still count.
+        self._stop.install(handlers=self.config.handle_signals)
+        self._stop.at_fetch = fetch_hook(self)
+        at_open(self)  # a stop while resuming: nothing trained, exit 75
         show = self.config.progress
         if show is None:
             show = sys.stderr.isatty()
@@ -189,6 +196,7 @@ class Run:
         c.train_seconds += dt
         self._step_seconds = dt if self._step_seconds is None else max(0.8 * self._step_seconds, dt)
         marks = self._loader_marks()
+        self._repeated.check(self, marks[0], self._marks[0])
         c.samples += marks[1] - self._marks[1]
         self._marks = marks
         signalled, out_of_time, minutes_due, loss = self._agree(loss)
@@ -212,6 +220,7 @@ class Run:
         if self.done and self.config.save_final:
             c.complete = True
             save = True
+            stop_reason = None  # the final save ends the run: exit 0, whatever signals came
         if stop_reason is not None and self._metrics is not None:
             # Logged before the save, so the checkpoint's log length includes it and a resume
             # (which truncates the log to that length) keeps it.
@@ -221,8 +230,6 @@ class Run:
             self.save(blocking=stop_reason is not None)
         if stop_reason is None:
             self._snapshots.after_step(c.step, saved=save)
-        if stop_reason is None and self._stop.deferred is not None:
-            stop_reason = "a second Ctrl-C, deferred until the save committed"
         if stop_reason is not None:
             return self._halt(stop_reason)
         return self.done
@@ -264,11 +271,11 @@ class Run:
         self.counters.complete = False
         self._events.extended(target)
 
-    def _halt(self, reason: str) -> bool:
+    def _halt(self, reason: str, *, saved: bool = True) -> bool:
         self.stopped = True
         self.close()
         if self.config.exit_on_stop:
-            self._events.stopped(reason)
+            self._events.stopped(reason, saved=saved)
             _stops.record(self.counters.step, reason, self.rank, self.world_size)  # for launchers
             if self.world_size > 1 and torch.distributed.is_initialized():
                 # Every rank stops at this step; a gloo group left alive at exit can abort the
@@ -302,13 +309,16 @@ class Run:
             for loader in loaders:
                 if callable(getattr(loader, "set_epoch", None)):
                     loader.set_epoch(epoch)
+            honour(self, f"the start of epoch {epoch}")
             if self.config.on_epoch_start is not None:
                 first = not loaders or getattr(loaders[0], "position", 0) == 0
                 if first:
                     self._stepper.begin_step(loaders[0] if loaders else None)
+            before = (self._loader_marks()[0], self.counters.step)
             yield epoch
             if self.done or self.stopped:
                 break
+            check_epoch(self, epoch, *before)
             self._end_epoch(epoch + 1, last=epoch + 1 >= num_epochs)
         if not self.stopped:
             self.finish()
@@ -391,20 +401,17 @@ class Run:
         payload = self.registry.collect(self.rank)
         meta = {"epoch": c.epoch, "samples": c.samples, "stage": c.stage}
         path = self._path(c.step)
-        with self._stop.saving():  # a second Ctrl-C waits until this save committed
-            if self._async is not None and not blocking:
-                self._async.save(c.step, payload, meta, after=self._committed_in_background)
-                # The time budget must allow for a whole save: use the last complete one.
-                self.last_save_seconds = self._async.last_total_seconds or (
-                    time.perf_counter() - t0
-                )
-            else:
-                if self._async is not None:
-                    self._async.wait()
-                self.store.save(c.step, payload, meta)
-                self._retain(c.step)
-                self.last_save_seconds = time.perf_counter() - t0
-                self._events.committed(c.step, path, self.last_save_seconds)
+        if self._async is not None and not blocking:
+            self._async.save(c.step, payload, meta, after=self._committed_in_background)
+            # The time budget must allow for a whole save: use the last complete one.
+            self.last_save_seconds = self._async.last_total_seconds or (time.perf_counter() - t0)
+        else:
+            if self._async is not None:
+                self._async.wait()
+            self.store.save(c.step, payload, meta)
+            self._retain(c.step)
+            self.last_save_seconds = time.perf_counter() - t0
+            self._events.committed(c.step, path, self.last_save_seconds)
         self.last_saved_step = c.step
         self._last_save_wall = time.time()
         # Time spent saving is not a training step.
@@ -440,13 +447,13 @@ class Run:
         c.complete = True
         self.wait()
         self.close()
-        if self._stop.deferred is not None and self.config.exit_on_stop:
-            self._halt("a second Ctrl-C, deferred until the final save committed")
 
     def install_signal_handlers(self) -> None:
         """Install the stop handlers again, on top of any a framework installed since
-        ``Run()`` (Lightning does, in ``fit``): ours record the stop, then call theirs."""
+        ``Run()`` (Lightning does, in ``fit``): ours record the stop, then call theirs. A stop
+        recorded before is honoured now if nothing trained since the last save."""
         self._stop.install()
+        honour(self, "the start of training")
 
     @property
     def closed(self) -> bool:
