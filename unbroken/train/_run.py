@@ -73,6 +73,7 @@ class Run:
         self.config, kwargs = split_arguments(config, components, kwargs)
         self.dir = os.path.abspath(os.fspath(run_dir))
         self.rank, self.world_size = _dist.rank(), _dist.world_size()
+        _dist.clean_exit()  # several ranks: exit with our status, never the backend's abort
         self.counters = Counters(stage=self.config.stage)
         self.registry = Registry()
         for name, obj in kwargs.items():
@@ -277,11 +278,7 @@ class Run:
         if self.config.exit_on_stop:
             self._events.stopped(reason, saved=saved)
             _stops.record(self.counters.step, reason, self.rank, self.world_size)  # for launchers
-            if self.world_size > 1 and torch.distributed.is_initialized():
-                # Every rank stops at this step; a gloo group left alive at exit can abort the
-                # process (-6) and lose the 75 (pytorch#190489).
-                torch.distributed.destroy_process_group()
-            raise SystemExit(EXIT_RESUMABLE)
+            raise SystemExit(EXIT_RESUMABLE)  # every rank stops at this step (_dist.clean_exit)
         return True
 
     def _next_save_text(self) -> str:
