@@ -1,8 +1,8 @@
 """A loop driven wrongly is named loudly: no ``run.step()``, or two per batch.
 
 Without ``run.step()`` nothing is counted or saved and a stop signal has no safe point to be
-honoured at, so a run would train to the end deaf to SIGTERM; the epoch end (``run.epochs()``)
-or the next step start (``run.loop()``) raises a ConfigError naming ``run.step()``, and a
+honoured at, so a run would train to the end deaf to SIGTERM; the end of an epoch (of
+``run.epochs()`` or ``run.loop()``) raises a ConfigError naming ``run.step()``, and a
 process stopped that way exits 1 (an error the user can read), not 0 after ignoring the stop.
 The in-process cases drive a real Run; the signal case is a real process and a real SIGTERM.
 """
@@ -34,7 +34,7 @@ def test_an_epoch_without_run_step_is_an_error_naming_it(tmp_path: Path) -> None
     loader = _loader()
     run = unbroken.Run(tmp_path / "run", loader=loader, progress=False)
     try:
-        with pytest.raises(ConfigError, match=r"epoch 0: the tracked loader yielded 3 batches"):
+        with pytest.raises(ConfigError, match=r"epoch 0: the loader yielded 3 batches"):
             for _epoch in run.epochs(3):
                 for _batch in loader:
                     pass  # forward, backward, optimizer.step() -- and no run.step()
@@ -42,17 +42,17 @@ def test_an_epoch_without_run_step_is_an_error_naming_it(tmp_path: Path) -> None
         run.close()
 
 
-def test_run_loop_without_run_step_is_an_error_at_the_next_step(tmp_path: Path) -> None:
+def test_run_loop_without_run_step_is_an_error_at_the_epoch_end(tmp_path: Path) -> None:
     loader = _loader()
-    run = unbroken.Run(tmp_path / "run", loader=loader, progress=False)
+    run = unbroken.Run(tmp_path / "run", loader=loader, progress=False, max_steps=100)
     seen = 0
     try:
-        with pytest.raises(ConfigError, match=r"run\.step\(\) was not called"):
-            for _batch in run.loop(loader, epochs=2):
+        with pytest.raises(ConfigError, match=r"epoch 0: the loader yielded 3 batches"):
+            for _batch in run.loop(loader):
                 seen += 1
     finally:
         run.close()
-    assert seen == 1, "the second step must not start"
+    assert seen == 3, "the second epoch must not start"
 
 
 def test_run_step_twice_for_one_batch_is_a_warning_naming_the_fix(

@@ -21,10 +21,11 @@ from ..data._workers import protect
 
 def protect_eval_loader(loader: Any) -> None:
     """Protect ``loader``'s workers and give it its own generator (unbroken's loaders have
-    both already; anything that is not a torch DataLoader is left alone)."""
-    if not isinstance(loader, torch.utils.data.DataLoader):
-        return
-    protect(loader)
-    if loader.generator is None:
-        # Seeds only the evaluation workers' streams (and nothing in the training process).
-        loader.generator = torch.Generator().manual_seed(0)
+    both already; anything that is not a torch DataLoader is left alone). Accelerate's
+    prepared loaders iterate the DataLoader they wrap (``base_dataloader``): that one too."""
+    while isinstance(loader, torch.utils.data.DataLoader):
+        protect(loader)
+        if loader.generator is None:
+            # Seeds only the evaluation workers' streams (nothing in the training process).
+            loader.generator = torch.Generator().manual_seed(0)
+        loader = getattr(loader, "base_dataloader", None)

@@ -91,16 +91,19 @@ class Stepper:
         it: Iterator[Any] | None = None
         left = step_batches = 0
         empty_passes = 0
-        step_before = run.counters.step
+        # Batches drawn in the epoch and the step count at its start: a whole epoch must hold
+        # an optimizer step (one resumed mid-way may end inside a step's micro-batches).
+        drawn, step_before = 0, run.counters.step
+        whole = getattr(loader, "position", 0) == 0
         while True:
             if left == 0:
                 if run.done or run.stopped:
                     break
-                _stopping.check_step_called(run, step_before, step_batches)
                 _stopping.honour(run, "a step start")
-                step_before = run.counters.step
                 if _finished(loader):
                     it = None
+                    _stopping.check_epoch(run, run.counters.epoch, drawn * whole, step_before)
+                    drawn, step_before, whole = 0, run.counters.step, True
                     nxt = self._advance(loader)
                     run._end_epoch(nxt, last=_reached(epochs, nxt))
                 if epochs is not None and run.counters.epoch >= epochs:
@@ -123,12 +126,15 @@ class Stepper:
                 empty_passes = empty_passes + 1 if empty else 0
                 if empty_passes > 1:
                     raise ConfigError("the loader yielded no batch for a whole epoch") from None
+                _stopping.check_epoch(run, run.counters.epoch, drawn * whole, step_before)
+                drawn, step_before, whole = 0, run.counters.step, True
                 nxt = self._advance(loader)
                 run._end_epoch(nxt, last=_reached(epochs, nxt))
                 if epochs is not None and run.counters.epoch >= epochs:
                     break
                 continue
             empty = False
+            drawn += 1
             run.counters.epoch = getattr(loader, "epoch", run.counters.epoch)
             left -= 1
             self.accumulating = left > 0

@@ -311,11 +311,13 @@ class Run:
                 first = not loaders or getattr(loaders[0], "position", 0) == 0
                 if first:
                     self._stepper.begin_step(loaders[0] if loaders else None)
+            # A whole epoch must hold a step (one resumed mid-way may end inside a step).
+            whole = not loaders or getattr(loaders[0], "position", 0) == 0
             before = (self._loader_marks()[0], self.counters.step)
             yield epoch
             if self.done or self.stopped:
                 break
-            check_epoch(self, epoch, *before)
+            check_epoch(self, epoch, (self._loader_marks()[0] - before[0]) * whole, before[1])
             self._end_epoch(epoch + 1, last=epoch + 1 >= num_epochs)
         if not self.stopped:
             self.finish()

@@ -21,7 +21,7 @@ accumulation drew some of its micro-batches) is not a boundary: the stop waits f
 ``run.step()``. A completed run's final save ends a stop too: the process exits 0.
 
 Misuse that would make a stop silently ignored is named where it shows (:func:`check_epoch`,
-:func:`check_step_called`, :func:`warn_repeated_step`).
+:class:`RepeatedStep`).
 """
 
 from __future__ import annotations
@@ -92,24 +92,15 @@ def fetch_hook(run: Run) -> Any:
 # ---- misuse --------------------------------------------------------------------------------
 
 
-def check_epoch(run: Run, epoch: int, batches_before: int, step_before: int) -> None:
-    """At the end of an epoch of ``run.epochs()``: its loader yielded batches but
-    ``run.step()`` was never called -- the run would train unsaved, deaf to stop signals."""
-    drawn = run._loader_marks()[0] - batches_before
+def check_epoch(run: Run, epoch: int, drawn: int, step_before: int) -> None:
+    """At the end of an epoch: ``drawn`` batches came from its loader but ``run.step()`` was
+    never called -- the run would train unsaved, deaf to stop signals. (An optimizer step may
+    take several batches -- gradient accumulation inside or outside ``run.loop()`` -- but an
+    epoch holds at least one step.)"""
     if drawn > 0 and run.counters.step == step_before:
         raise ConfigError(
-            f"epoch {epoch}: the tracked loader yielded {drawn} batches but run.step() was "
-            f"never called; {_FIX}"
-        )
-
-
-def check_step_called(run: Run, step_before: int, batches: int) -> None:
-    """At a step start of ``run.loop()``: the previous step's ``batches`` micro-batches were
-    yielded but ``run.step()`` did not count the step."""
-    if batches > 0 and run.counters.step == step_before:
-        raise ConfigError(
-            f"run.loop() yielded the {batches} micro-batch(es) of step {step_before + 1} and "
-            f"the loop asked for the next step, but run.step() was not called; {_FIX}"
+            f"epoch {epoch}: the loader yielded {drawn} batches but run.step() was never "
+            f"called; {_FIX}"
         )
 
 
