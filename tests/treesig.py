@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.golden import ROOT, assert_identical, children
+from tests.golden import ROOT, assert_identical, children, final_state
 from unbroken import EXIT_RESUMABLE, read_metrics
 from unbroken.store import CheckpointStore
 
@@ -55,6 +55,7 @@ class Scenario:
     args: tuple[str, ...]  # script and its arguments, without --run-dir
     last_line: str = "done"  # printed after the final save
     timeout: float = 240.0  # a launch's whole life, signals included
+    clock_state: tuple[str, ...] = ()  # components with wall-clock fields (compared without)
 
     def command(self, run_dir: Path) -> list[str]:
         return [sys.executable, str(SUPERVISED), *self.args, "--run-dir", str(run_dir)]
@@ -87,6 +88,7 @@ SCENARIOS = {
             ),
             last_line="done:",
             timeout=400,
+            clock_state=("trainer_state",),  # eval_runtime, train_samples_per_second, ...
         ),
         Scenario(
             "accelerate",
@@ -319,10 +321,25 @@ def episode(
         if o.code == 0:
             break
     try:
-        assert_identical(reference, run_dir)
+        assert_identical(reference, run_dir, ignore=scenario.clock_state)
+        for name in scenario.clock_state:
+            a, b = (_without_clock(final_state(d)[1][name]) for d in (reference, run_dir))
+            assert a == b, f"component {name!r} state differs (wall-clock fields aside)"
     except AssertionError as e:
         return Episode(outcomes, False, str(e))
     return Episode(outcomes, True)
+
+
+def _without_clock(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {
+            k: _without_clock(v)
+            for k, v in tree.items()
+            if not k.endswith(("_runtime", "_per_second"))
+        }
+    if isinstance(tree, list):
+        return [_without_clock(v) for v in tree]
+    return tree
 
 
 def reference(scenario: Scenario, run_dir: Path) -> float:
