@@ -41,7 +41,7 @@ from typing import Any
 
 from tests.golden import ROOT, assert_identical, children, final_state
 from unbroken import EXIT_RESUMABLE, read_metrics
-from unbroken.store import CheckpointStore
+from unbroken.store import CheckpointStore, scan
 
 SCRIPTS = ROOT / "tests" / "scripts"
 EXAMPLES = ROOT / "examples"
@@ -126,15 +126,18 @@ def signal_tree(pid: int, sig: int, rng: random.Random) -> int:
 
 @dataclass
 class Plan:
-    """When and what: ``at`` seconds after launch (or after the last line, ``after_final``),
-    then each (signal, gap before the next)."""
+    """When and what: ``at`` seconds after launch (or after the last line, ``after_final``,
+    or after the launch's first new checkpoint, ``after_save``), then each (signal, gap
+    before the next)."""
 
     at: float
     after_final: bool
     signals: list[tuple[str, float]]
+    after_save: bool = False
 
     def __str__(self) -> str:
         where = f"{self.at:.2f}s after the last line" if self.after_final else f"at {self.at:.2f}s"
+        where = f"{self.at:.2f}s after a new checkpoint" if self.after_save else where
         sigs = " then ".join(f"SIG{s} (+{g * 1000:.0f} ms)" for s, g in self.signals)
         return f"{where}: {sigs}"
 
@@ -219,7 +222,7 @@ def launch(
     deadline = t0 + scenario.timeout
     sent = 0
     if plan is not None:
-        if _wait_moment(proc, plan, scenario, lines, deadline):
+        if _wait_moment(proc, plan, scenario, lines, deadline, run_dir):
             rng = rng or random.Random()
             for name, gap in plan.signals:
                 if proc.poll() is not None:
@@ -247,8 +250,17 @@ def _wait_moment(
     scenario: Scenario,
     lines: queue.Queue[str | None],
     deadline: float,
+    run_dir: Path,
 ) -> bool:
     """Wait for the plan's moment; False when the launch ended first."""
+    if plan.after_save:
+        before = max((step for step, _ in scan(str(run_dir))), default=-1)
+        while max((step for step, _ in scan(str(run_dir))), default=-1) <= before:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        time.sleep(plan.at)
+        return proc.poll() is None
     if not plan.after_final:
         end = time.monotonic() + plan.at
         while time.monotonic() < end:
@@ -320,14 +332,21 @@ def episode(
             return Episode(outcomes, None)
         if o.code == 0:
             break
+    difference = compare(scenario, reference, run_dir)
+    return Episode(outcomes, not difference, difference)
+
+
+def compare(scenario: Scenario, reference: Path, run_dir: Path) -> str:
+    """The golden comparison (``tests/golden.py``): '' when bitwise the same, else what differs
+    first. Wall-clock fields of ``scenario.clock_state`` components are left out."""
     try:
         assert_identical(reference, run_dir, ignore=scenario.clock_state)
         for name in scenario.clock_state:
             a, b = (_without_clock(final_state(d)[1][name]) for d in (reference, run_dir))
             assert a == b, f"component {name!r} state differs (wall-clock fields aside)"
     except AssertionError as e:
-        return Episode(outcomes, False, str(e))
-    return Episode(outcomes, True)
+        return str(e) or "differs"
+    return ""
 
 
 def _without_clock(tree: Any) -> Any:

@@ -70,6 +70,7 @@ class ValLog(pl.Callback):
         if not trainer.sanity_checking:
             loss = float(trainer.callback_metrics["val_loss"])
             self.seen.append([trainer.global_step, loss])
+            print(f"val {trainer.global_step}", flush=True)
 
     def state_dict(self) -> dict[str, Any]:
         return {"seen": [list(s) for s in self.seen]}

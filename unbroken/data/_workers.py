@@ -31,7 +31,7 @@ import signal
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.utils.data as tud
@@ -168,6 +168,30 @@ def protect(loader: tud.DataLoader[Any]) -> bool:
     if context is not loader.multiprocessing_context:
         loader.multiprocessing_context = context
     return context in _CONTEXTS.values()
+
+
+L = TypeVar("L", bound=tud.DataLoader)
+
+
+def protect_workers(loader: L) -> L:
+    """Make a torch ``DataLoader``'s worker processes leave stop signals to the main process.
+
+    A scheduler's stop (SLURM, Kubernetes) reaches every process of the job; a DataLoader
+    worker that dies of it makes torch raise in the training process ("DataLoader worker
+    exited unexpectedly"), wherever that process is -- the stop's save included. unbroken's
+    loaders protect their workers; do this for a plain torch loader you iterate in a ``Run``
+    (an evaluation loader, say): its workers then start with the stop signals blocked and
+    ignore them, end with the main process, and are reaped at exit with a deadline.
+    Returns ``loader``. With ``persistent_workers``, also give it ``generator=``: creating its
+    iterator otherwise draws from the global torch stream once per process, which a resumed
+    process repeats::
+
+        val_loader = unbroken.protect_workers(torch.utils.data.DataLoader(
+            val_set, batch_size=64, num_workers=2, persistent_workers=True,
+            generator=torch.Generator().manual_seed(0)))
+    """
+    protect(loader)
+    return loader
 
 
 def inner_loader(
