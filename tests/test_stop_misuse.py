@@ -115,3 +115,37 @@ def test_a_stop_without_run_step_ends_at_the_epoch_end_with_that_error(tmp_path:
     assert proc.returncode == 1, (proc.returncode, out, err)  # documented: an error, exit 1
     assert "ConfigError" in err and "run.step() was never called" in err, err
     assert "epoch 1" not in out and "done" not in out, out  # ended in its first epoch
+
+
+# ---- after a Run closed (real signals to this process) -----------------------------------------
+
+
+def test_a_stop_after_a_closed_run_is_kept_for_the_next_run(tmp_path: Path) -> None:
+    from unbroken import _signals
+
+    run = unbroken.Run(tmp_path / "a", max_steps=1, progress=False)
+    for _ in run.loop(range(3)):
+        run.step()
+    assert run.closed
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # recorded, never raised into this test
+        time.sleep(0.05)
+        assert _signals.pending() == "SIGTERM"
+        with pytest.raises(SystemExit) as stopped:
+            unbroken.Run(tmp_path / "b", max_steps=1, progress=False)
+        assert stopped.value.code == 75
+        assert not (tmp_path / "b").exists()  # before anything was opened
+    finally:
+        _signals._pending = None
+
+
+def test_ctrl_c_in_an_interactive_session_is_a_keyboard_interrupt_outside_a_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = unbroken.Run(tmp_path / "a", max_steps=1, progress=False)
+    for _ in run.loop(range(3)):
+        run.step()
+    monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)  # a REPL
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1.0)

@@ -15,6 +15,8 @@ safe points in unbroken's own code:
   :data:`START_GRACE` seconds ends the process with 75 (:func:`_backstop`);
 - after a ``Run`` closed (e.g. after the final save of a completed run): the stop is kept for a
   later ``Run()`` in the same process; otherwise the script finishes with its own exit code.
+  In an interactive session (a REPL, IPython, Jupyter) Ctrl-C outside a training ``Run`` is
+  the usual ``KeyboardInterrupt``: nothing is training, and the session goes on.
 
 Any number of signals, at any gaps, ask for the same stop. From the first ``atexit`` callback
 that runs after a handler was installed, the stop signals are ignored, so the interpreter's
@@ -208,6 +210,8 @@ def _handle(signum: int, frame: FrameType | None) -> None:
         req.record(signum)
         if req.count == 2:
             _say(f"{signal.Signals(signum).name} again: still stopping after the save")
+    elif signum == signal.SIGINT and _interactive():
+        raise KeyboardInterrupt  # a notebook or REPL, nothing training: Ctrl-C as always
     elif _pending is None:
         _pending, _pending_at = signum, time.monotonic()
         _wake.set()
@@ -218,6 +222,11 @@ def _handle(signum: int, frame: FrameType | None) -> None:
             prev(signum, frame)
         finally:
             _in_chain = False
+
+
+def _interactive() -> bool:
+    """A REPL, ``python -i`` or IPython/Jupyter: a session the user drives, not a script."""
+    return bool(sys.flags.interactive) or hasattr(sys, "ps1") or "IPython" in sys.modules
 
 
 def _say(text: str) -> None:
