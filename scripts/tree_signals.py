@@ -7,7 +7,8 @@ Per scenario: one uninterrupted reference run, then episodes (launches signalled
 moments until one completes, then compared bit for bit with the reference) until ``--trials``
 launches were signalled. Prints one line per scenario -- trials, exits 75 and 0, hangs, other
 exits, launches with problems, episodes identical / different -- and writes every launch as a
-JSON line to ``--out`` (default bench/tree_signals.jsonl). Exit 1 if anything went wrong.
+JSON line to ``--out`` (default: tree_signals.jsonl in the temporary directory). Exit 1 if
+anything went wrong.
 Scenarios run one after another: a trial must not compete with another for the CPU.
 """
 
@@ -82,7 +83,7 @@ def main() -> int:
     p.add_argument("scenarios", nargs="*", default=list(treesig.SCENARIOS))
     p.add_argument("--trials", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("bench/tree_signals.jsonl"))
+    p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "tree_signals.jsonl")
     a = p.parse_args()
     unknown = sorted(set(a.scenarios) - set(treesig.SCENARIOS))
     if unknown:
