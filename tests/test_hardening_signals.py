@@ -48,9 +48,10 @@ if phase == "supervised":  # UNBROKEN_SUPERVISED=1: handled from `import unbroke
 if phase == "swallowed":  # a slow import inside a library's catch-all, then the Run
     import torch
     import unbroken
+    from unbroken import Run  # imported now: the Run below starts at once
     unbroken.install_signal_handlers()
     try:
-        wait_here("imports", 2.0)
+        wait_here("imports", 1.0)
     except BaseException:
         pass  # e.g. an optional-dependency probe: whatever went wrong, go on
 if phase == "chain":
@@ -196,7 +197,10 @@ def test_a_stop_during_start_up_is_not_swallowed_by_a_catch_all(tmp_path):
     child.signal(signal.SIGTERM)
     code, out, err = child.finish()
     assert code == EXIT_RESUMABLE, (code, out, err)
-    assert "SIGTERM while not training" in err and "Traceback" not in err, err
+    # Run() honours it (or, on a machine so slow that Run() comes after the 5 s start-up
+    # grace, the start-up backstop does): either way no step is trained.
+    said = ("SIGTERM while not training", "SIGTERM at start-up, no Run came to save")
+    assert any(s in err for s in said) and "Traceback" not in err, err
     assert "start" not in out, out
     assert CheckpointStore(str(tmp_path / "run")).latest() is None
 

@@ -140,7 +140,8 @@ def install_signal_handlers() -> bool:
     if not _started:
         _started = True
         atexit.register(_ignore_from_now)
-        threading.Thread(target=_backstop, name="unbroken-stop-backstop", daemon=True).start()
+        if not _runs:
+            threading.Thread(target=_backstop, name="unbroken-stop-backstop", daemon=True).start()
     return True
 
 
@@ -161,6 +162,7 @@ def run_opening() -> None:
     start-up backstop stands down; a resume may take long)."""
     global _runs
     _runs += 1
+    _wake.set()  # the start-up backstop ends
 
 
 def at_fetch(loader: Any) -> None:
@@ -248,23 +250,25 @@ def exit_not_training(signum: int) -> None:
 def _backstop() -> None:
     """A stop received at start-up that no ``Run()`` came to honour (a script still importing,
     or one that never builds a Run): end the process with 75 after :data:`START_GRACE`
-    seconds. Nothing trained yet, so a hard exit loses nothing; a Run that is opening or open
-    honours the stop itself."""
-    _wake.wait()
-    while True:
-        time.sleep(0.1)
-        if _runs or _pending is None:
-            return
-        if time.monotonic() - _pending_at >= START_GRACE:
-            name = signal.Signals(_pending).name
-            _say(f"{name} at start-up, no Run came to save; exit 75, relaunch to go on")
-            _stops.record(None, f"{name} while not training")
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except (OSError, ValueError, AttributeError):
-                    pass
-            os._exit(EXIT_RESUMABLE)
+    seconds. Nothing trained yet, so a hard exit loses nothing. The thread ends when the first
+    ``Run`` opens: from then on Runs honour stops themselves."""
+    while not _runs:
+        if _pending is None:
+            _wake.wait(1.0)
+            continue
+        left = START_GRACE - (time.monotonic() - _pending_at)
+        if left > 0:
+            time.sleep(min(left, 0.1))
+            continue
+        name = signal.Signals(_pending).name
+        _say(f"{name} at start-up, no Run came to save; exit 75, relaunch to go on")
+        _stops.record(None, f"{name} while not training")
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(EXIT_RESUMABLE)
 
 
 def _ignore_from_now() -> None:
