@@ -196,8 +196,6 @@ def main() -> int:
             loss=loss, lr=lr, batch_size=len(loader.last_indices), samples=loader.last_indices
         )
 
-    if world > 1:  # gloo may abort a process that exits with its group alive (pytorch#190489)
-        torch.distributed.destroy_process_group()
     if rank != 0:
         return 0
     unbroken.export_weights(os.path.join(a.run_dir, "final.safetensors"), model=model, ema=ema)

@@ -62,6 +62,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--epoch-samples", type=int, default=None, help="use only the first N windows")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: never)")
+    p.add_argument(
+        "--persistent-workers", action="store_true", help="keep the loaders' workers between passes"
+    )
     a = p.parse_args()
 
     torch.set_num_threads(1)
@@ -84,6 +87,7 @@ def main() -> int:
         lr_scheduler_type="cosine",
         max_grad_norm=1.0,
         dataloader_num_workers=a.workers,
+        dataloader_persistent_workers=a.persistent_workers and a.workers > 0,
         save_strategy="steps",
         save_steps=a.save_every,
         logging_steps=1,

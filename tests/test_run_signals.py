@@ -222,7 +222,9 @@ def _relaunch_completes(train: Any, resume_step: int) -> None:
 
 
 def test_each_stop_signal_finishes_the_step_saves_it_and_exits_75(train):
-    # One run stopped by each signal in turn (a fresh process each), then completed.
+    # One run stopped by each signal in turn (a fresh process each), then completed. The
+    # signal lands after step start+2 was logged: the stop is honoured at the next safe point,
+    # the start of step start+3 (nothing more is trained) or its run.step() (that step is).
     stop = 0
     for sig in ("SIGTERM", "SIGUSR1", "SIGINT"):
         start = stop
@@ -233,8 +235,9 @@ def test_each_stop_signal_finishes_the_step_saves_it_and_exits_75(train):
         assert code == EXIT_RESUMABLE, (sig, child.stderr)
         assert child.stdout[0] == f"start {start}", (sig, child.stdout)
         stop = _stopped_at(child.stderr, f"signal {sig}")
-        assert start + 3 <= stop < STEPS, (sig, stop)
-        assert child.stdout[-1] == f"step {stop - 1}", f"{sig}: the step was not finished"
+        assert start + 2 <= stop <= start + 3, (sig, stop)
+        # run.step() of the stop's step does not return: the child never printed it
+        assert child.stdout[-1] in (f"step {stop}", f"step {stop - 1}"), (sig, child.stdout)
         assert _latest(train.run_dir) == stop, sig
         assert "Traceback" not in child.stderr, child.stderr
     _relaunch_completes(train, stop)
@@ -271,7 +274,9 @@ def test_sigterm_to_the_whole_process_group_then_kill_9_then_complete(train):
     events = read_metrics(str(train.run_dir), events=True)
     assert [m["step"] for m in events if m.get("event") == "resume"] == [first_stop, saved]
     stops = [m for m in events if m.get("event") == "stop"]
-    assert [m["step"] for m in stops] == [first_stop]
+    # A stop at a step start with that step saved already adds nothing to the log (a resume
+    # keeps the log as long as its checkpoint's); one that saved a step logged it.
+    assert [m["step"] for m in stops] in ([first_stop], []), stops
 
 
 def test_signal_during_a_save_does_not_corrupt_it(train):
@@ -282,23 +287,28 @@ def test_signal_during_a_save_does_not_corrupt_it(train):
         child.stderr,
     )
     assert code == EXIT_RESUMABLE, child.stderr
-    # The save in progress completed; the stop happened at the next step boundary.
-    assert "step 3" in child.stdout
-    assert _stopped_at(child.stderr, "signal SIGTERM") == 4
+    # The save in progress completed; the stop happened at the next safe point, the start of
+    # step 4, with nothing more to save.
+    assert child.stdout[-1] == "step 3", child.stdout
+    assert _stopped_at(child.stderr, "signal SIGTERM") == 3
+    assert "nothing to save" in child.stderr, child.stderr
     CheckpointStore(str(train.run_dir)).open(3, checksums=True)
-    assert _latest(train.run_dir) == 4
-    _relaunch_completes(train, 4)
+    assert _latest(train.run_dir) == 3
+    _relaunch_completes(train, 3)
 
 
-def test_second_sigint_interrupts_at_once(train):
+def test_a_second_ctrl_c_still_ends_in_the_stop_save(train):
+    # Ctrl-C twice in a step: the second asks for the same stop (said on stderr); the step is
+    # saved and the exit is 75 -- never a KeyboardInterrupt raised into the step or the save.
     with train("--save-every", "1", "--sleep", "1.0") as child:
         child.wait_for("step 1")
         os.kill(child.pid, signal.SIGINT)
         time.sleep(0.2)
         os.kill(child.pid, signal.SIGINT)
         code = child.finish()
-    assert code not in (0, EXIT_RESUMABLE), (code, child.stderr)
-    assert "KeyboardInterrupt" in child.stderr
-    assert child.stdout[-1] == "step 1", "the second Ctrl-C should not wait for the step"
-    assert _latest(train.run_dir) == 1
-    _relaunch_completes(train, 1)
+    assert code == EXIT_RESUMABLE, (code, child.stderr)
+    assert "KeyboardInterrupt" not in child.stderr and "Traceback" not in child.stderr
+    stop = _stopped_at(child.stderr, "signal SIGINT")
+    assert stop in (1, 2), child.stderr  # at step 2's start, or its run.step()
+    assert _latest(train.run_dir) == stop
+    _relaunch_completes(train, stop)

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
         TextCorpus,
         TokenBatchLoader,
         WordVocab,
+        protect_workers,
         seed_everything,
     )
     from .state import EMA, Stateful
@@ -105,6 +106,7 @@ _LAZY = {
     "compare_runs": ".verify",
     "export_weights": ".train",
     "init_distributed": "._launch",
+    "protect_workers": ".data",
     "read_metrics": ".train",
     "seed_everything": ".data",
     "tensorboard_purge_step": "._trackers",
@@ -175,6 +177,7 @@ __all__ = [
     "export_weights",
     "init_distributed",
     "install_signal_handlers",
+    "protect_workers",
     "read_metrics",
     "seed_everything",
     "tensorboard_purge_step",

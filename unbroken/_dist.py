@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
+import ctypes
+import gc
+import sys
 from typing import Any, TypeVar
 
 import torch
@@ -73,3 +77,48 @@ def _device(group: Any = None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+_exit_guarded = False
+
+
+def clean_exit() -> None:
+    """Make this process's exit safe from the backend's teardown: a finished or stopped rank
+    exits with its own status (0, 75, ...), never with the abort that a gloo group left alive
+    into the interpreter's teardown can cause ("terminate called without an active exception",
+    -6: a gloo thread dropping the last reference to a tensor needs the GIL, which a finalizing
+    interpreter no longer hands out; the same in C++ static destructors). Called by
+    ``init_distributed()`` and by ``Run()`` when several ranks train; idempotent.
+
+    At exit (``atexit``, interpreter alive, every save thread joined): destroy the process
+    groups and collect the garbage that still holds them, so their threads are joined now;
+    then have C's ``exit()`` end the process with its status before the native libraries'
+    static destructors run (glibc ``on_exit``, registered last so it runs first).
+    """
+    global _exit_guarded
+    if _exit_guarded or not active() or dist.get_world_size() < 2:
+        return
+    _exit_guarded = True
+    atexit.register(_teardown)
+
+
+def _teardown() -> None:
+    if active():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # an exit goes on: a group that cannot be destroyed is skipped
+            pass
+    gc.collect()
+    _skip_native_destructors()
+
+
+def _skip_native_destructors() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None)
+        on_exit = libc.on_exit  # glibc: handler(status, arg), run LIFO by exit()
+        on_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        on_exit(ctypes.cast(libc._exit, ctypes.c_void_p), None)  # _exit(status)
+    except (OSError, AttributeError):
+        pass  # not glibc: the teardown runs as usual

@@ -7,6 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from . import _dist
 from ._errors import ConfigError
 
 
@@ -39,4 +40,5 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
     if backend == "nccl":
         torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
+    _dist.clean_exit()  # a finished rank exits 0 whatever the backend's teardown does
     return dist.get_rank(), dist.get_world_size()

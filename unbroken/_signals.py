@@ -2,23 +2,34 @@
 
 One handler per process for SIGTERM, SIGUSR1 and SIGINT, installed by
 :func:`install_signal_handlers` (``import unbroken`` calls it when the supervisor launched the
-process, :data:`unbroken._protocol.SUPERVISED`; ``Run(...)`` calls it otherwise) and never removed:
+process, :data:`unbroken._protocol.SUPERVISED`; ``Run(...)`` calls it otherwise) and never
+removed. The handler only *records* a stop -- it never raises into the code it interrupted, where an
+``except:`` in a library (an import, a retry loop) could swallow it. The stop is honoured at
+safe points in unbroken's own code:
 
-- While a :class:`StopRequest` is active (a ``Run`` that opened, until it closes), a signal only
-  records the request; the loop saves at the next step boundary and exits 75. A Python handler
-  runs between bytecodes, possibly inside a collective or a save, so it does nothing else. A
-  second Ctrl-C interrupts at once -- except inside a save, where it is deferred until the save
-  committed (a checkpoint half written is worth nothing), and then the process stops.
-- Otherwise nothing is training (imports, building data, resuming, after the final save):
-  nothing can be lost, so the process exits 75 (resumable) at once.
+- while a :class:`StopRequest` is active (a ``Run`` that opened, until it closes): at the next
+  step boundary (``run.step()``, a loop's step or epoch start, a fetch from the tracked loader
+  between steps): save the step, exit 75;
+- before that (imports, building data): nothing is training and nothing can be lost. ``Run()``
+  exits 75 on entry, or at the end of its resume; a stop that no ``Run`` honours within
+  :data:`START_GRACE` seconds ends the process with 75 (:func:`_backstop`);
+- after a ``Run`` closed (e.g. after the final save of a completed run): the stop is kept for a
+  later ``Run()`` in the same process; otherwise the script finishes with its own exit code.
+  In an interactive session (a REPL, IPython, Jupyter) Ctrl-C outside a training ``Run`` is
+  the usual ``KeyboardInterrupt``: nothing is training, and the session goes on.
+
+Any number of signals, at any gaps, ask for the same stop. From the first ``atexit`` callback
+that runs after a handler was installed, the stop signals are ignored, so the interpreter's
+teardown (which puts default actions back) cannot turn an exit 0 or 75 into a death by signal.
 
 A Python-level handler that was installed before ours (e.g. Lightning's SLURM requeue on
 SIGUSR1, or its SIGTERM notifier) is chained for SIGTERM and SIGUSR1: it is called after the
-stop is recorded, and ours then leaves the exit to it. ``SIG_DFL``, ``SIG_IGN`` and Python's
-``default_int_handler`` are not chained. Processes forked from ours (DataLoader workers) get the
-default action rather than a flag nobody reads.
+stop is recorded. ``SIG_DFL``, ``SIG_IGN`` and Python's ``default_int_handler`` are not chained.
+A process forked from ours gets the default action (a pool worker must still die of
+``terminate()``), except DataLoader workers: they start with the stop signals blocked and then
+ignore them (:mod:`unbroken.data._workers`); the main process owns the stop.
 
-A process that exits 75 here (not training) leaves a stop marker for its launcher
+A process that exits 75 without training leaves a stop marker for its launcher
 (:mod:`unbroken._stops`), as ``Run`` does after a stop's save. Under torchrun, importing this
 module also asks for a SIGTERM when the rank's parent, the torchrun agent, dies
 (:func:`follow_launcher`), so a ``kill -9`` of the agent stops its ranks as a preemption would.
@@ -26,12 +37,14 @@ module also asks for a SIGTERM when the rank's parent, the torchrun agent, dies
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -40,22 +53,30 @@ from ._exit import EXIT_RESUMABLE
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 CHAINED = (signal.SIGTERM, signal.SIGUSR1)
+START_GRACE = 5.0
+"""Seconds a stop received before any ``Run()`` waits for one to honour it (then exit 75)."""
 
 _previous: dict[int, Any] = {}  # the handlers ours chains to
 _active: StopRequest | None = None
 _owner = os.getpid()
 _in_chain = False
+_pending: int | None = None  # the first stop recorded while no StopRequest was active
+_pending_at = 0.0
+_runs = 0  # Runs opened (or opening) in this process: the backstop is for start-up only
+_wake = threading.Event()
+_started = False  # the backstop thread and the exit callback exist
 # The start of a time budget where /proc cannot tell when the process started.
 IMPORTED_AT = time.time()
 
 
 class StopRequest:
-    """The stop requested of one ``Run``: the first stop signal, and a deferred second Ctrl-C."""
+    """The stop requested of one ``Run``: the first stop signal, and how many arrived."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self.deferred: int | None = None  # a second SIGINT that arrived inside a save
-        self._saving = 0
+        self.count = 0
+        self.at_fetch: Callable[[Any], None] | None = None
+        """Called (main thread) before a loader fetches a batch while a stop is requested."""
 
     @property
     def requested(self) -> bool:
@@ -65,37 +86,33 @@ class StopRequest:
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum else ""
 
-    def install(self) -> bool:
-        """Install the process's handlers (main thread only) and make this request the one a
-        signal records; returns whether the handlers are in place. Safe to call again (e.g.
-        after a framework installed handlers of its own: those are chained from then on)."""
-        global _active
-        if not install_signal_handlers():
+    def install(self, handlers: bool = True) -> bool:
+        """Install the process's handlers (main thread only; with ``handlers=False`` only if
+        they are installed already, e.g. by ``import unbroken`` under the supervisor) and make
+        this request the one a signal records; a stop recorded before (while nothing trained)
+        becomes this request's. Returns whether the handlers are in place. Safe to call again
+        (e.g. after a framework installed handlers of its own: those are chained from then
+        on)."""
+        global _active, _pending
+        if not (install_signal_handlers() if handlers else _started):
             return False
         _active = self
+        if _pending is not None and self.signum is None:
+            self.signum, self.count = _pending, 1
+        _pending = None
         return True
 
     def uninstall(self) -> None:
-        """Stop recording into this request. The handlers stay: a signal from now on (after the
-        final save, say) ends the process with 75, never the default death by signal."""
+        """Stop recording into this request. The handlers stay: a signal from now on is kept
+        for a later ``Run()`` in this process; it is never a death by signal."""
         global _active
         if _active is self:
             _active = None
 
-    def saving(self) -> _Saving:
-        """A context in which a second Ctrl-C is deferred until the block ends."""
-        return _Saving(self)
-
-
-class _Saving:
-    def __init__(self, req: StopRequest) -> None:
-        self.req = req
-
-    def __enter__(self) -> None:
-        self.req._saving += 1
-
-    def __exit__(self, *exc: object) -> None:
-        self.req._saving -= 1
+    def record(self, signum: int) -> None:
+        self.count += 1
+        if self.signum is None:
+            self.signum = signum
 
 
 def install_signal_handlers() -> bool:
@@ -106,8 +123,11 @@ def install_signal_handlers() -> bool:
     ``Run(...)`` calls it too. Main thread only (returns False elsewhere). Handlers installed by
     others since our last call are chained (SIGTERM, SIGUSR1) rather than replaced.
     """
+    global _started
     if threading.current_thread() is not threading.main_thread():
         return False
+    if os.getpid() != _owner:
+        return False  # a forked child: its parent owns the stop
     for sig in STOP_SIGNALS:
         current = signal.getsignal(sig)
         if current is _handle:
@@ -117,7 +137,40 @@ def install_signal_handlers() -> bool:
         else:
             _previous.pop(sig, None)  # SIG_DFL / SIG_IGN / Ctrl-C's default: nothing to call
         signal.signal(sig, _handle)
+    if not _started:
+        _started = True
+        atexit.register(_ignore_from_now)
+        if not _runs:
+            threading.Thread(target=_backstop, name="unbroken-stop-backstop", daemon=True).start()
     return True
+
+
+def pending() -> str | None:
+    """The name of a stop signal received while nothing was training, if any."""
+    return signal.Signals(_pending).name if _pending is not None else None
+
+
+def honour_pending() -> None:
+    """A safe point outside training (``Run()`` starting): a stop received before it ends the
+    process here, with 75 -- nothing was training, nothing is lost."""
+    if _pending is not None:
+        exit_not_training(_pending)
+
+
+def run_opening() -> None:
+    """A ``Run`` is opening in this process: from now on stops are honoured by Runs (the
+    start-up backstop stands down; a resume may take long)."""
+    global _runs
+    _runs += 1
+    _wake.set()  # the start-up backstop ends
+
+
+def at_fetch(loader: Any) -> None:
+    """Called by unbroken's loaders before each batch fetch: a safe point while a stop is
+    requested (the active Run decides whether the fetch is at a step boundary)."""
+    req = _active
+    if req is not None and req.signum is not None and req.at_fetch is not None:
+        req.at_fetch(loader)
 
 
 def process_start() -> float:
@@ -145,8 +198,10 @@ def chained(sig: int) -> Any:
 
 
 def _handle(signum: int, frame: FrameType | None) -> None:
-    global _in_chain
+    global _in_chain, _pending, _pending_at
     if os.getpid() != _owner:
+        # Forked from ours without unbroken's worker set-up (a multiprocessing pool, say): the
+        # default action, as if we had never installed a handler.
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return
@@ -154,13 +209,14 @@ def _handle(signum: int, frame: FrameType | None) -> None:
         return  # the chained handler composed ours into itself (Lightning does): once is enough
     req = _active
     if req is not None:
-        if signum == signal.SIGINT and req.signum is not None:
-            if req._saving:
-                req.deferred = signum
-                return
-            raise KeyboardInterrupt
-        if req.signum is None:
-            req.signum = signum
+        req.record(signum)
+        if req.count == 2:
+            _say(f"{signal.Signals(signum).name} again: still stopping after the save")
+    elif signum == signal.SIGINT and _interactive():
+        raise KeyboardInterrupt  # a notebook or REPL, nothing training: Ctrl-C as always
+    elif _pending is None:
+        _pending, _pending_at = signum, time.monotonic()
+        _wake.set()
     prev = _previous.get(signum)
     if prev is not None:
         _in_chain = True
@@ -168,17 +224,61 @@ def _handle(signum: int, frame: FrameType | None) -> None:
             prev(signum, frame)
         finally:
             _in_chain = False
-        return  # it decides what else happens (e.g. Lightning's graceful stop)
-    if req is None:
-        # Nothing is training: there is nothing to save, and nothing is lost by stopping now.
-        name = signal.Signals(signum).name
-        msg = f"unbroken: {name} while not training (nothing to save); exit 75, relaunch to go on\n"
-        try:
-            os.write(2, msg.encode())
-        except OSError:
-            pass
+
+
+def _interactive() -> bool:
+    """A REPL, ``python -i`` or IPython/Jupyter: a session the user drives, not a script."""
+    return bool(sys.flags.interactive) or hasattr(sys, "ps1") or "IPython" in sys.modules
+
+
+def _say(text: str) -> None:
+    # A handler may run while the main thread holds a logging lock: write the fd directly.
+    try:
+        os.write(2, f"unbroken: {text}\n".encode())
+    except OSError:
+        pass
+
+
+def exit_not_training(signum: int) -> None:
+    """End the process with 75 for a stop received while nothing was training."""
+    name = signal.Signals(signum).name
+    _say(f"{name} while not training (nothing to save); exit 75, relaunch to go on")
+    _stops.record(None, f"{name} while not training")
+    raise SystemExit(EXIT_RESUMABLE)
+
+
+def _backstop() -> None:
+    """A stop received at start-up that no ``Run()`` came to honour (a script still importing,
+    or one that never builds a Run): end the process with 75 after :data:`START_GRACE`
+    seconds. Nothing trained yet, so a hard exit loses nothing. The thread ends when the first
+    ``Run`` opens: from then on Runs honour stops themselves."""
+    while not _runs:
+        if _pending is None:
+            _wake.wait(1.0)
+            continue
+        left = START_GRACE - (time.monotonic() - _pending_at)
+        if left > 0:
+            time.sleep(min(left, 0.1))
+            continue
+        name = signal.Signals(_pending).name
+        _say(f"{name} at start-up, no Run came to save; exit 75, relaunch to go on")
         _stops.record(None, f"{name} while not training")
-        raise SystemExit(EXIT_RESUMABLE)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(EXIT_RESUMABLE)
+
+
+def _ignore_from_now() -> None:
+    """At exit: ignore the stop signals (the exit code is decided; the interpreter's teardown
+    would put the default actions back, and a late signal would then kill the process)."""
+    if os.getpid() != _owner or threading.current_thread() is not threading.main_thread():
+        return
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) is _handle:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def follow_launcher() -> None:

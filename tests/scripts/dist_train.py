@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 import time
 
 import torch
@@ -76,10 +75,6 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGTERM)
     if world > 1:
         dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no interpreter teardown with gloo threads alive (pytorch#190489)
 
 
 if __name__ == "__main__":

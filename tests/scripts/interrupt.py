@@ -1,11 +1,12 @@
 """Run a training script, sending the process a signal right after optimizer step K.
 
     python tests/scripts/interrupt.py SCRIPT [SCRIPT ARGS...] --signal-at K --signal TERM|KILL|...
-        [--signal-phase after|start]
+        [--signal-phase after|start] [--signal-tree]
 
 ``after`` (default) signals when ``run.step()`` for step K returns (K=0: right after the Run is
 created); ``start`` signals at the start of step K+1, after its callbacks ran (e.g. right after a
-model change), before any of its micro-batches. The script itself runs unchanged.
+model change), before any of its micro-batches. ``--signal-tree`` signals every process of this
+one's tree (its DataLoader workers too), as a scheduler does. The script itself runs unchanged.
 """
 
 from __future__ import annotations
@@ -30,18 +31,32 @@ def main() -> None:
     at = _take(argv, "--signal-at")
     sig = getattr(signal, "SIG" + (_take(argv, "--signal", "KILL") or "KILL"))
     phase = _take(argv, "--signal-phase", "after")
+    whole_tree = "--signal-tree" in argv
+    if whole_tree:
+        argv.remove("--signal-tree")
     if at is not None:
-        _arm(int(at), sig, phase or "after")
+        _arm(int(at), sig, phase or "after", whole_tree)
     sys.argv = argv
     runpy.run_path(argv[0], run_name="__main__")
 
 
-def _arm(at: int, sig: int, phase: str) -> None:
+def _arm(at: int, sig: int, phase: str, whole_tree: bool) -> None:
     import unbroken
     from unbroken.train import _loop, _run
 
     def fire() -> None:
-        os.kill(os.getpid(), sig)
+        pids = [os.getpid()]
+        for pid in pids if whole_tree else []:  # grows as children are found
+            try:
+                with open(f"/proc/{pid}/task/{pid}/children") as f:
+                    pids.extend(int(p) for p in f.read().split())
+            except OSError:
+                pass
+        for pid in reversed(pids):  # the workers first, this process last
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
 
     if phase == "after":
         step, init = _run.Run.step, _run.Run.__init__

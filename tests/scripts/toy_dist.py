@@ -14,7 +14,6 @@ import argparse
 import errno
 import os
 import signal
-import sys
 import time
 
 import torch
@@ -131,7 +130,7 @@ def main() -> None:
         if rank == 0:
             save_file({k: v.contiguous() for k, v in tensors.items()}, a.dump_after_load)
         run.close()
-        _exit_cleanly()
+        return
     me = a.signal_rank == "all" or int(a.signal_rank) == rank
     if a.signal_attempt is not None:
         me = me and os.environ.get("UNBROKEN_ATTEMPT") == str(a.signal_attempt)
@@ -150,18 +149,8 @@ def main() -> None:
         if a.signal_at is not None and run.counters.step == a.signal_at and me:
             os.kill(os.getpid(), getattr(signal, "SIG" + a.signal))
     dist.barrier()
-    _exit_cleanly()
-
-
-def _exit_cleanly() -> None:
-    """Destroy the group and leave without the interpreter's teardown: FSDP2's DTensors and
-    mesh keep the gloo group alive until then, and its threads can abort the process at exit
-    ("terminate called without an active exception", exit -6; pytorch#190489), which would
-    read as a crash of a run that finished."""
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # No destroy_process_group() or os._exit() here: unbroken's exit (unbroken._dist.clean_exit)
+    # keeps gloo's teardown from aborting a finished rank, FSDP2's DTensors and mesh included.
 
 
 def _eio_on_write(event: str, path: str) -> None:

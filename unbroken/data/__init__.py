@@ -10,6 +10,7 @@ from ._shards import JsonlShards, ShardOrder
 from ._stream import IterableShards
 from ._tokens import TokenBatchLoader
 from ._vocab import CharVocab, WordVocab
+from ._workers import protect_workers
 
 __all__ = [
     "CharVocab",
@@ -27,6 +28,7 @@ __all__ = [
     "WordVocab",
     "derive",
     "epoch_order",
+    "protect_workers",
     "sample_generator",
     "sample_seed",
     "seed_everything",

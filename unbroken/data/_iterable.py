@@ -7,6 +7,7 @@ from typing import Any
 
 import torch.utils.data as tud
 
+from .. import _signals
 from .._errors import ConfigError, DataError
 from ..state import Stateful
 from ._contract import LoaderBase
@@ -77,6 +78,7 @@ class IterableLoader(LoaderBase):
         # A pass resumed after its last batch yields nothing: the consumer sees the epoch end.
         it = iter(()) if self._exhausted else iter(self.dataset)  # type: ignore[call-overload]
         while True:
+            _signals.at_fetch(self)  # a safe point for a requested stop (between steps)
             items = []
             for item in it:
                 items.append(item)

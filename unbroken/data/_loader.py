@@ -268,7 +268,7 @@ class DataLoader(LoaderBase):
             plan = _Plan(self.epoch, self.position, self.batch_size)
             self._plan = plan
             try:
-                for batch in _workers.start(self._inner):
+                for batch in _workers.start(self._inner, self):
                     global_idx = plan.pending.popleft()
                     self._count(len(global_idx))
                     self.last_indices = global_idx

@@ -182,7 +182,7 @@ class SamplerLoader(LoaderBase):
         elif callable(getattr(self._source, "set_epoch", None)):
             self._source.set_epoch(self.epoch)
         self._pending.clear()
-        for batch in _workers.start(self._inner):
+        for batch in _workers.start(self._inner, self):
             global_idx, self._state, self._exhausted = self._pending.popleft()
             self._count(len(global_idx))
             self.last_indices = global_idx

@@ -197,7 +197,7 @@ class IterableShards(LoaderBase):
         # Samples read but not yet yielded: (shard, offset, sample), in stream order.
         buf: deque[tuple[int, int, Any]] = deque()
         k, start = self._cursor, self._offset
-        for samples in _workers.start(self._inner):
+        for samples in _workers.start(self._inner, self):
             shard = int(order[k])
             buf.extend((shard, start + i, s) for i, s in enumerate(samples))
             k, start = k + 1, 0

@@ -299,7 +299,7 @@ class TokenBatchLoader:
             plan = _Plan(self.epoch, replace(self._pos))
             self._plan = plan
             try:
-                for batch in _workers.start(self._inner):
+                for batch in _workers.start(self._inner, self):
                     self._pos, glob = plan.pending.popleft()
                     self.last_indices = glob
                     self.yielded_batches += 1

@@ -32,6 +32,7 @@ from .. import _log
 from .._errors import ConfigError
 from .._exit import EXIT_RESUMABLE
 from ..train._config import RunConfig
+from . import _lightning_restart as restart
 
 log = _log.get("lightning")
 
@@ -111,6 +112,7 @@ class _FitLoopState:
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         self.at_step_end: dict[str, Any] | None = None
+        self.validation_pending = False  # restored at a step whose validation had not run
 
     def state_dict(self) -> dict[str, Any]:
         live = self.trainer.fit_loop.state_dict()
@@ -118,6 +120,7 @@ class _FitLoopState:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.trainer.fit_loop.load_state_dict(state_dict["fit_loop"])
+        self.validation_pending = restart.validation_started(state_dict["fit_loop"])
 
 
 def _build(pl: Any) -> type:
@@ -233,10 +236,21 @@ def _build(pl: Any) -> type:
             # next epoch without calling on_train_epoch_start; the loader must follow it now
             # (mid-epoch and fresh starts: the epoch in progress, a no-op).
             self._set_epoch(trainer)
+            restart.count_epoch_started(trainer)
+            restart.protect_val_loaders(trainer)  # built by now when a validation will run
             if self.run is not None and self.handle_signals:
                 # Installed now, after Lightning's own (SIGTERM notifier, SLURM requeue on
                 # SIGUSR1), so unbroken's handler chains to them instead of hiding them.
                 self.run.install_signal_handlers()
+
+        def on_sanity_check_start(self, trainer: Any, pl_module: Any) -> None:
+            restart.protect_val_loaders(trainer, set_up=True)  # before their first iterator
+
+        def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+            if self._loop is not None and self._loop.validation_pending:
+                if not trainer.sanity_checking:
+                    restart.settle_validation(trainer)
+                    self._loop.validation_pending = False
 
         # ---- the steps ----------------------------------------------------------------------
 
@@ -267,6 +281,8 @@ def _build(pl: Any) -> type:
             assert self._loop is not None
             self._loop.at_step_end = None
             self._loop.at_step_end = copy.deepcopy(trainer.fit_loop.state_dict())
+            if restart.validation_due(trainer):  # saved before it: the restart must run it
+                restart.mark_validation_started(self._loop.at_step_end)
             run.counters.epoch = trainer.current_epoch
             loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
             if not isinstance(loss, (torch.Tensor, float, int)):

@@ -35,6 +35,7 @@ import torch
 
 from .._errors import ConfigError
 from ..train._config import RunConfig
+from ._eval import protect_eval_loader
 
 log = logging.getLogger("unbroken")
 
@@ -355,6 +356,18 @@ def _build() -> type:
                     multiprocessing_context=a.dataloader_multiprocessing_context,
                 )
             return _Stream(self._unbroken_loader, self._unbroken_hooks)
+
+        def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+            """The Trainer's evaluation loader, its workers protected from a tree-wide stop and
+            its iterator drawing nothing from the global random streams (see _eval.py)."""
+            loader = super().get_eval_dataloader(eval_dataset)
+            protect_eval_loader(loader)
+            return loader
+
+        def get_test_dataloader(self, test_dataset: Any) -> Any:
+            loader = super().get_test_dataloader(test_dataset)
+            protect_eval_loader(loader)
+            return loader
 
         def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
             loss = super().training_step(model, inputs, num_items_in_batch)

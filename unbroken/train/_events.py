@@ -110,15 +110,15 @@ class Events:
         for step, path in done:
             self.on_save(step, path)
 
-    def stopped(self, reason: str) -> None:
+    def stopped(self, reason: str, *, saved: bool = True) -> None:
         step = self.counters.step
         _log.event(
             log,
             logging.WARNING,
-            "unbroken: stopped at step %d (%s); checkpoint saved in %s; relaunch the same "
-            "command to continue",
+            "unbroken: stopped at step %d (%s); %s in %s; relaunch the same command to continue",
             step,
             reason,
+            "checkpoint saved" if saved else "no step since the last save, nothing to save",
             self.dir,
             step=step,
             path=self.dir,

@@ -25,7 +25,7 @@ import torch
 from .._errors import ConfigError
 from ..state import EMA, Counters, Registry
 from ..state._adapters import unwrap
-from . import _staging
+from . import _staging, _stopping
 from ._audit import Audit
 from ._config import RunConfig
 from ._settings import KNOWN, Settings, Values
@@ -113,19 +113,28 @@ class Stepper:
         *,
         end_epoch: EndEpoch,
         halted: Callable[[], bool],
+        safe_point: Callable[[str], None],
     ) -> Iterator[Any]:
         """Micro-batches of ``loader`` across epochs; ``halted()`` says when the run is done
-        or stopped, ``end_epoch`` counts each epoch that ends."""
+        or stopped, ``end_epoch`` counts each epoch that ends, ``safe_point(where)`` honours a
+        recorded stop at each step start."""
         self.audit.loop_started(loader, check_source=True)
         it: Iterator[Any] | None = None
         left = step_batches = 0
         empty_passes = 0
+        # Batches drawn in the epoch and the step count at its start: a whole epoch must hold
+        # an optimizer step (one resumed mid-way may end inside a step's micro-batches).
+        drawn, step_before = 0, self.counters.step
+        whole = getattr(loader, "position", 0) == 0
         while True:
             if left == 0:
                 if halted():
                     break
+                safe_point("a step start")
                 if _finished(loader):
                     it = None
+                    self._check_epoch(drawn * whole, step_before)
+                    drawn, step_before, whole = 0, self.counters.step, True
                     nxt = self._advance(loader)
                     end_epoch(nxt, _reached(epochs, nxt))
                 if epochs is not None and self.counters.epoch >= epochs:
@@ -148,17 +157,23 @@ class Stepper:
                 empty_passes = empty_passes + 1 if empty else 0
                 if empty_passes > 1:
                     raise ConfigError("the loader yielded no batch for a whole epoch") from None
+                self._check_epoch(drawn * whole, step_before)
+                drawn, step_before, whole = 0, self.counters.step, True
                 nxt = self._advance(loader)
                 end_epoch(nxt, _reached(epochs, nxt))
                 if epochs is not None and self.counters.epoch >= epochs:
                     break
                 continue
             empty = False
+            drawn += 1
             self.counters.epoch = getattr(loader, "epoch", self.counters.epoch)
             left -= 1
             self.accumulating = left > 0
             yield batch
         self.accumulating = False
+
+    def _check_epoch(self, drawn: int, step_before: int) -> None:
+        _stopping.check_epoch(self.counters.epoch, drawn, step_before, self.counters.step)
 
     def begin_step(self, loader: Any) -> int:
         """Events and settings of the step that starts now; returns its micro-batch count."""

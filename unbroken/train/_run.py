@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .. import _dist, _stops
+from .. import _dist, _signals, _stops
 from .._errors import ConfigError
 from .._exit import EXIT_RESUMABLE
 from .._protocol import ProcessContext
@@ -55,6 +55,7 @@ from ._progress import Progress, steps_for_epochs
 from ._resume import Resumer
 from ._signals import StopRequest, install_signal_handlers, process_start
 from ._staging import ModelSwap
+from ._stopping import RepeatedStep, at_open, check_epoch, fetch_hook, honour
 
 
 class Run:
@@ -86,6 +87,7 @@ class Run:
         cfg = self.config
         self.dir = os.path.abspath(os.fspath(run_dir))
         self.rank, self.world_size = _dist.rank(), _dist.world_size()
+        _dist.clean_exit()  # several ranks: exit with our status, never the backend's abort
         self.counters = Counters(stage=cfg.stage)
         self.registry = track(kwargs, self.counters, cfg, self.rank, self.world_size)
         process = ProcessContext.read()
@@ -122,6 +124,9 @@ class Run:
 
     def _open(self) -> None:
         cfg = self.config
+        if self.world_size == 1:
+            _signals.honour_pending()  # a stop before Run(): nothing trained yet, exit 75 now
+        _signals.run_opening()
         if cfg.handle_signals:
             # From now to process exit; until training starts a stop signal exits 75 at once
             # (resuming is not training: nothing is lost).
@@ -158,8 +163,11 @@ class Run:
         self._pace = _triggers.Pace()
         # The budget is the process's: counted from its start, imports and resume included.
         self._deadline = deadline(process_start(), cfg)
-        if cfg.handle_signals:
-            self._stop.install()
+        self._repeated = RepeatedStep()
+        # With handle_signals=False, handlers installed already (the supervisor's) still count.
+        self._stop.install(handlers=cfg.handle_signals)
+        self._stop.at_fetch = fetch_hook(self)
+        at_open(self)  # a stop while resuming: nothing trained, exit 75
         show = sys.stderr.isatty() if cfg.progress is None else cfg.progress
         if show and self.rank == 0:
             self._progress = Progress(cfg.max_steps, self.counters.step)
@@ -183,6 +191,7 @@ class Run:
         c.step += 1
         c.train_seconds += dt
         marks = self._loader_marks()
+        self._repeated.check(c.step, bool(self._loaders()), marks[0], self._marks[0])
         c.samples += marks[1] - self._marks[1]
         self._marks = marks
         clock = self._clock()
@@ -222,8 +231,6 @@ class Run:
                     c.step, False, self._snapshot_state, self._pace.estimate
                 )
             )
-        if stop is None and self._stop.deferred is not None:
-            stop = "a second Ctrl-C, deferred until the save committed"
         if stop is not None:
             return self._halt(stop)
         return self.done
@@ -262,17 +269,13 @@ class Run:
             return (0, 0)
         return (loaders[0].yielded_batches, loaders[0].yielded_samples)
 
-    def _halt(self, reason: str) -> bool:
+    def _halt(self, reason: str, *, saved: bool = True) -> bool:
         self.stopped = True
         self.close()
         if self.config.exit_on_stop:
-            self._events.stopped(reason)
+            self._events.stopped(reason, saved=saved)
             _stops.record(self.counters.step, reason, self.rank, self.world_size)  # for launchers
-            if self.world_size > 1 and torch.distributed.is_initialized():
-                # Every rank stops at this step; a gloo group left alive at exit can abort the
-                # process (-6) and lose the 75 (pytorch#190489).
-                torch.distributed.destroy_process_group()
-            raise SystemExit(EXIT_RESUMABLE)
+            raise SystemExit(EXIT_RESUMABLE)  # every rank stops at this step (_dist.clean_exit)
         return True
 
     def stop(self, reason: str) -> None:
@@ -309,12 +312,17 @@ class Run:
             for loader in loaders:
                 if callable(getattr(loader, "set_epoch", None)):
                     loader.set_epoch(epoch)
-            if self.config.on_epoch_start is not None:
-                if first is None or getattr(first, "position", 0) == 0:
-                    self._stepper.begin_step(first)
+            honour(self, f"the start of epoch {epoch}")
+            # A whole epoch must hold a step (one resumed mid-way may end inside a step).
+            whole = first is None or getattr(first, "position", 0) == 0
+            if self.config.on_epoch_start is not None and whole:
+                self._stepper.begin_step(first)
+            before = (self._loader_marks()[0], self.counters.step)
             yield epoch
             if self.done or self.stopped:
                 break
+            drawn = (self._loader_marks()[0] - before[0]) * whole
+            check_epoch(epoch, drawn, before[1], self.counters.step)
             self._end_epoch(epoch + 1, epoch + 1 >= num_epochs)
         if not self.stopped:
             self.finish()
@@ -324,7 +332,11 @@ class Run:
         if self.config.max_steps is None and epochs is None:
             raise ConfigError("loop() needs max_steps (a Run option) or epochs=")
         yield from self._stepper.loop(
-            loader, epochs, end_epoch=self._end_epoch, halted=lambda: self.done or self.stopped
+            loader,
+            epochs,
+            end_epoch=self._end_epoch,
+            halted=lambda: self.done or self.stopped,
+            safe_point=lambda where: honour(self, where),
         )
         if not self.stopped:
             self.finish()
@@ -397,10 +409,7 @@ class Run:
         t0 = time.perf_counter()
         self._checkpointer.check_lock()
         payload, meta = self._state(durable=True)
-        with self._stop.saving():  # a second Ctrl-C waits until this save committed
-            path = self._checkpointer.save(
-                self.counters.step, payload, meta, blocking=bool(blocking)
-            )
+        path = self._checkpointer.save(self.counters.step, payload, meta, blocking=bool(blocking))
         self._pace.exclude(time.perf_counter() - t0)
         return path
 
@@ -433,13 +442,13 @@ class Run:
         c.complete = True
         self.wait()
         self.close()
-        if self._stop.deferred is not None and self.config.exit_on_stop:
-            self._halt("a second Ctrl-C, deferred until the final save committed")
 
     def install_signal_handlers(self) -> None:
         """Install the stop handlers again, on top of any a framework installed since
-        ``Run()`` (Lightning does, in ``fit``): ours record the stop, then call theirs."""
+        ``Run()`` (Lightning does, in ``fit``): ours record the stop, then call theirs. A stop
+        recorded before is honoured now if nothing trained since the last save."""
         self._stop.install()
+        honour(self, "the start of training")
 
     @property
     def closed(self) -> bool:

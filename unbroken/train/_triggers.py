@@ -81,6 +81,8 @@ def decide(
     save = stop is not None or seen.minutes_due or epoch_save_pending
     save = save or bool(every and step % every == 0)
     final = complete and config.save_final
+    if final:
+        stop = None  # the final save ends the run: exit 0, whatever signals came
     return Decision(save=save or final, final=final, stop=stop)
 
 
