@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 
@@ -26,7 +27,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in _commands.MODULES:
         module.register(sub)
+    for p in sub.choices.values():  # the modules' docstrings are reST; --help is plain text
+        p.description, p.epilog = plain(p.description), plain(p.epilog)
     return parser
+
+
+_ROLE = re.compile(r":(?:func|class|meth|attr|mod|data|exc):`~?([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def plain(text: str | None) -> str | None:
+    """reST markup as plain text: ``:func:`x``` and double-backquoted literals become ``x``."""
+    if text is None:
+        return None
+    return _LITERAL.sub(r"\1", _ROLE.sub(r"\1", text))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
