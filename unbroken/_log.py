@@ -14,13 +14,19 @@ record carries ``rank`` (so a format may use ``%(rank)s``) and, where known, ``s
 Handlers. None is installed, not even a ``NullHandler``: with logging left unconfigured,
 records of WARNING and above reach stderr through ``logging.lastResort`` -- so the stop message
 ("stopped at step N ...; relaunch the same command to continue") is seen by default -- and INFO
-(resume, save) needs ``logging.basicConfig(level=logging.INFO)`` or a handler of your own.
+(save, model change) needs ``logging.basicConfig(level=logging.INFO)`` or a handler of your own.
+
+Announcements. A resume is INFO, yet a job log must show that a run resumed, and from where:
+:func:`announce` writes it to stderr as ``logging.lastResort`` would when logging is left
+unconfigured; once a handler is configured, the record goes through it at INFO like any other.
+``logging.getLogger("unbroken").setLevel(logging.WARNING)`` silences it either way.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 from . import _dist
@@ -59,3 +65,24 @@ def event(
     if logger.isEnabledFor(level):
         extra = {"rank": rank, "step": step, "path": path}
         logger.log(level, msg, *args, extra=extra, stacklevel=2)
+
+
+def announce(
+    logger: logging.Logger, msg: str, *args: Any, step: int | None = None, path: str | None = None
+) -> None:
+    """An INFO event that rank 0 also prints to stderr while logging is unconfigured (see
+    "Announcements" above); quiet once a level above INFO is set on ``unbroken`` (or a child)."""
+    if this_rank() != 0 or logger.hasHandlers() or _quieted(logger):
+        event(logger, logging.INFO, msg, *args, step=step, path=path)
+        return
+    print(msg % args if args else msg, file=sys.stderr, flush=True)
+
+
+def _quieted(logger: logging.Logger) -> bool:
+    """A level set explicitly on ``logger`` or an ancestor below the root, above INFO."""
+    node: Any = logger
+    while node is not None and node.name != "root":
+        if node.level != logging.NOTSET:
+            return bool(node.level > logging.INFO)
+        node = node.parent if node.propagate else None
+    return False

@@ -1,6 +1,7 @@
 """What a run tells the world: log records (``unbroken.run``) and the user's hooks.
 
-Events: ``resume`` (INFO), ``save`` (INFO, once durably committed), ``model_changed`` (INFO),
+Events: ``resume`` (INFO, and a line on stderr while logging is unconfigured: _log.announce),
+``save`` (INFO, once durably committed), ``model_changed`` (INFO),
 ``extend`` (a complete run continued; WARNING), ``stop`` (WARNING: it must be seen with
 logging unconfigured, through ``logging.lastResort``), and an error closing the run. The rank
 policy is unbroken._log's: rank 0 speaks for the run.
@@ -15,6 +16,7 @@ W&B, a file) need not be safe for.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any
 
@@ -34,10 +36,7 @@ class Events:
 
     def resumed(self, step: int, path: str) -> None:
         run = self.run
-        _log.event(
-            log, logging.INFO, "unbroken: resumed %s from step %d (%s)", run.dir, step, path,
-            step=step, path=path,
-        )  # fmt: skip
+        _log.announce(log, *resume_text(run.dir, step, path), step=step, path=path)
         if run.config.on_resume is not None:
             # Only a resumed launch calls it: random numbers it draws (a tracker's run id, say)
             # must not shift the restored global streams away from the uninterrupted run's.
@@ -104,3 +103,9 @@ class Events:
             log, logging.ERROR, "unbroken: closing the run after an error failed: %s", error,
             rank_local=True, path=self.run.dir,
         )  # fmt: skip
+
+
+def resume_text(run_dir: str, step: int, path: str) -> tuple[Any, ...]:
+    """The resume line: which step, which checkpoint of which run directory."""
+    where = os.path.relpath(path, run_dir) if path.startswith(run_dir + os.sep) else path
+    return "unbroken: resumed %s from step %d (%s)", run_dir, step, where

@@ -31,6 +31,7 @@ from ..data._contract import check_world, is_loader
 from ..data._seeding import derive, seed_globals
 from ..state import Counters, GlobalRNG, Registry
 from ..store import AsyncSaver, CheckpointReader, CheckpointStore, Retention, WriterLock, step_name
+from ..store._lock import take_run_dir
 from ._audit import Audit, refuse_untrackable
 from ._choose import choose_checkpoint, restore, restore_or_fall_back
 from ._config import RunConfig, deadline, option_hint, split_arguments
@@ -114,8 +115,7 @@ class Run:
             # (resuming is not training: nothing is lost).
             install_signal_handlers()
         if self.rank == 0:
-            os.makedirs(self.dir, exist_ok=True)
-            self._lock.acquire()
+            take_run_dir(self._lock)  # an unwritable directory: CheckpointWriteError
             try:
                 self.store.clean_stale()
             except BaseException:
