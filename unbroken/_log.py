@@ -29,8 +29,6 @@ import os
 import sys
 from typing import Any
 
-from . import _dist
-
 ROOT = "unbroken"
 
 
@@ -39,8 +37,11 @@ def get(name: str = "") -> logging.Logger:
 
 
 def this_rank() -> int:
-    if _dist.active():
-        return _dist.rank()
+    if "torch.distributed" in sys.modules:  # else no process group can exist: torch-free tools
+        from . import _dist
+
+        if _dist.active():
+            return _dist.rank()
     # Before init_process_group (or in a tool), torchrun's or srun's variables say which rank.
     for var in ("RANK", "SLURM_PROCID"):
         value = os.environ.get(var, "")
@@ -75,7 +76,11 @@ def announce(
     if this_rank() != 0 or logger.hasHandlers() or _quieted(logger):
         event(logger, logging.INFO, msg, *args, step=step, path=path)
         return
-    print(msg % args if args else msg, file=sys.stderr, flush=True)
+    # What logging.lastResort does for WARNING, for this one INFO record: the message alone,
+    # on the stderr of the moment.
+    extra = {"rank": 0, "step": step, "path": path}
+    record = logger.makeRecord(logger.name, logging.INFO, __file__, 0, msg, args, None, extra=extra)
+    logging.StreamHandler(sys.stderr).handle(record)
 
 
 def _quieted(logger: logging.Logger) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -32,6 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _pipe_closed() -> int:
+    """The reader of stdout went away (``unbroken diff ... | head``): not an error to report.
+    stdout is pointed at /dev/null so that flushing it at exit cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_FAILURE
+
+
 _ROLE = re.compile(r":(?:func|class|meth|attr|mod|data|exc):`~?([^`]+)`")
 _LITERAL = re.compile(r"``([^`]+)``")
 
@@ -47,7 +57,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, not at exit: a closed pipe is caught below
+        return code
+    except BrokenPipeError:
+        return _pipe_closed()
     except CheckpointNotFoundError as e:
         print(f"unbroken: {e}", file=sys.stderr)
         return EXIT_NO_CHECKPOINT

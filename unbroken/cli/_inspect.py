@@ -92,7 +92,9 @@ def ls(args: argparse.Namespace) -> int:
                 "latest": is_latest,
                 "size_bytes": _disk_size(item.path),
                 "mtime": item.mtime,
-                "age_seconds": round(max(now - item.mtime, 0.0), 3),
+                "saved_at_unix": item.saved_at,
+                # From the commit time the manifest records: pinning changes the mtime.
+                "age_seconds": round(max(now - (item.saved_at or item.mtime), 0.0), 3),
                 "pinned": item.pinned,
                 "checked": "sizes" if args.no_verify else "checksums",
             }

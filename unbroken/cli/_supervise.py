@@ -285,8 +285,7 @@ class Supervisor:
             return f"snapshot not persisted: {e}"
         if got is None:
             return ""
-        _say(f"kept the in-memory snapshot of step {got[0]} in {got[1]}")
-        return f"persisted the in-memory snapshot of step {got[0]}"
+        return f"kept the in-memory snapshot of step {got[0]}"  # said once, in the attempt line
 
     def _killed_before_handling(self, rc: int) -> bool:
         """A death by SIGTERM, or by a stop signal the supervisor forwarded: the child was

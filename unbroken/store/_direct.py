@@ -348,25 +348,3 @@ class VerifiedReads:
             os.close(self.fd)
         except OSError:
             pass
-
-
-def hash_chunks(path: str, chunks: list[Chunk]) -> list[str]:
-    """Each chunk's xxh3 as the file holds it (a verify without a load target)."""
-    fd = _safeio.open_regular(path)
-    buf = bytearray(1 << 20)
-    try:
-        out = []
-        for c in chunks:
-            h = xxhash.xxh3_64()
-            done = 0
-            while done < c.nbytes:
-                n = min(len(buf), c.nbytes - done)
-                got = os.preadv(fd, [memoryview(buf)[:n]], c.offset + done)
-                if got <= 0:
-                    raise CorruptCheckpointError(f"{path}: tensor {c.fqn!r} is truncated")
-                h.update(memoryview(buf)[:got])
-                done += got
-            out.append(h.hexdigest())
-        return out
-    finally:
-        os.close(fd)

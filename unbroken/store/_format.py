@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xxhash
-from torch.distributed.checkpoint import metadata as dcp_md
 
 from .._errors import CorruptCheckpointError
 from . import _safeio
+
+if TYPE_CHECKING:  # imported where used: reading a table (``unbroken ls``) needs no torch
+    import torch
+    from torch.distributed.checkpoint import metadata as dcp_md
 
 FORMAT = "unbroken-tensors"
 VERSION = 2
@@ -39,31 +41,44 @@ MAX_ELEMENTS = 1 << 50
 MAX_CHUNKS = 1 << 16
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 
-DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.complex64,
-        torch.complex128,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.uint16,
-        torch.uint32,
-        torch.uint64,
-        torch.bool,
-        torch.float8_e4m3fn,
-        torch.float8_e5m2,
-        torch.float8_e4m3fnuz,
-        torch.float8_e5m2fnuz,
-    )
+# The dtypes a table may name, and their sizes in bytes: validating a table needs no torch.
+ITEMSIZE: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "complex64": 8,
+    "complex128": 16,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
 }
-DTYPE_NAMES = {d: n for n, d in DTYPES.items()}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a name in :data:`ITEMSIZE`."""
+    import torch
+
+    dtype = getattr(torch, name)
+    assert isinstance(dtype, torch.dtype) and dtype.itemsize == ITEMSIZE[name], name
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in ITEMSIZE:
+        raise TypeError(f"unbroken cannot save tensors of dtype {dtype}")
+    return name
 
 
 def data_file(rank: int) -> str:
@@ -85,9 +100,13 @@ class Chunk:
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    dtype: torch.dtype
+    dtype_name: str
     shape: tuple[int, ...]
     chunks: tuple[Chunk, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype_name)
 
 
 def combine(digests: list[str]) -> str:
@@ -97,6 +116,8 @@ def combine(digests: list[str]) -> str:
 
 def encode(md: dcp_md.Metadata, chunks: list[Chunk]) -> dict[str, Any]:
     """The ``tensors.json`` document of a save: DCP's global metadata plus every chunk."""
+    from torch.distributed.checkpoint import metadata as dcp_md
+
     by_fqn: dict[str, list[Chunk]] = {}
     for c in chunks:
         by_fqn.setdefault(c.fqn, []).append(c)
@@ -111,7 +132,7 @@ def encode(md: dcp_md.Metadata, chunks: list[Chunk]) -> dict[str, Any]:
 def entry_doc(dtype: torch.dtype, shape: tuple[int, ...], chunks: list[Chunk]) -> dict[str, Any]:
     """One tensor's entry of ``tensors.json``."""
     return {
-        "dtype": DTYPE_NAMES[dtype],
+        "dtype": dtype_name(dtype),
         "shape": list(shape),
         "chunks": [
             {
@@ -146,8 +167,8 @@ def parse(doc: Any, where: str, file_sizes: dict[str, int]) -> dict[str, Entry]:
     for fqn, spec in tensors.items():
         at = f"{where}: tensor {fqn!r}"
         spec = _safeio.want(spec, dict, at, "its description")
-        dtype = DTYPES.get(str(spec.get("dtype")))
-        if dtype is None:
+        dtype = str(spec.get("dtype"))
+        if dtype not in ITEMSIZE:
             raise CorruptCheckpointError(f"{at} has dtype {spec.get('dtype')!r}, not a known one")
         shape = _dims(spec.get("shape"), at, "shape")
         numel = _numel(shape, at)
@@ -191,7 +212,7 @@ def _chunk(
     fqn: str,
     raw: Any,
     shape: tuple[int, ...],
-    dtype: torch.dtype,
+    dtype: str,
     at: str,
     file_sizes: dict[str, int],
 ) -> Chunk:
@@ -208,10 +229,10 @@ def _chunk(
         raise CorruptCheckpointError(f"{at}: its chunk is in {name!r}, which the manifest omits")
     offset = _safeio.want_int(raw.get("offset"), at, "chunk offset")
     nbytes = _safeio.want_int(raw.get("nbytes"), at, "chunk nbytes")
-    if nbytes != _numel(sizes, at) * dtype.itemsize:
+    if nbytes != _numel(sizes, at) * ITEMSIZE[dtype]:
         raise CorruptCheckpointError(
-            f"{at}: a chunk of {list(sizes)} {dtype} holds {nbytes} bytes, not "
-            f"{_numel(sizes, at) * dtype.itemsize}"
+            f"{at}: a chunk of {list(sizes)} torch.{dtype} holds {nbytes} bytes, not "
+            f"{_numel(sizes, at) * ITEMSIZE[dtype]}"
         )
     if offset + nbytes > file_sizes[name]:
         raise CorruptCheckpointError(
@@ -238,6 +259,9 @@ def _overlap(chunks: tuple[Chunk, ...]) -> bool:
 
 def to_metadata(table: dict[str, Entry]) -> dcp_md.Metadata:
     """DCP's Metadata for a validated table (storage_data maps each chunk to its Chunk)."""
+    import torch
+    from torch.distributed.checkpoint import metadata as dcp_md
+
     sdm: dict[str, Any] = {}
     storage: dict[dcp_md.MetadataIndex, Chunk] = {}
     for fqn, e in table.items():

@@ -9,13 +9,15 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._errors import CheckpointError, CorruptCheckpointError
-from ..state import TensorInfo, _tree
-from . import _format, _layout, _manifest, _storage
+from . import _format, _layout, _manifest, _table
+
+if TYPE_CHECKING:  # imported where used: verifying and listing (``unbroken ls``) need no torch
+    import torch
+
+    from ..state import TensorInfo
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -85,13 +87,15 @@ class CheckpointReader:
                 raise CorruptCheckpointError(f"{self.path}: manifest does not list {name}")
         # Parse (safely) and validate the tensor metadata too, so that a checkpoint whose
         # checksums match but whose metadata is unsafe or malformed is skipped by latest().
-        self.tensor_infos()
-        if self._table is not None:
-            unlisted = _format.data_files(self._table) - set(self.manifest["files"])
-            if unlisted:
-                raise CorruptCheckpointError(f"{self.path}: manifest does not list {unlisted}")
-            if checksums and data:
-                _storage.verify_data(self.path, self._table, self.manifest["files"])
+        if self.format_version == 1:
+            self.tensor_infos()
+            return
+        table = self._read_table()
+        unlisted = _format.data_files(table) - set(self.manifest["files"])
+        if unlisted:
+            raise CorruptCheckpointError(f"{self.path}: manifest does not list {unlisted}")
+        if checksums and data:
+            _table.verify_data(self.path, table, self.manifest["files"])
 
     @_located
     def check_contents(self) -> None:
@@ -122,11 +126,13 @@ class CheckpointReader:
         return self._trees(name)
 
     def _trees(self, name: str) -> dict[str, Any]:
+        from ..state import _tree
+
         doc = _manifest.read_json(self.path, name)
         comps = doc.get("components") if isinstance(doc, dict) else None
         if not isinstance(comps, dict):
             raise CorruptCheckpointError(f"{os.path.join(self.path, name)} has no components")
-        infos = self.tensor_infos()
+        infos = self.tensor_names()
         where = os.path.join(self.path, name)
         for comp, tree in comps.items():
             _tree.validate(tree, f"{where}: component {comp!r}")
@@ -141,22 +147,47 @@ class CheckpointReader:
     @_located
     def tensor_infos(self) -> dict[str, TensorInfo]:
         if self._infos is None:
+            from ..state import TensorInfo
+
             if self.format_version == 1:
                 from . import _v1
 
                 self._metadata = _v1.read_metadata(self.path)
                 self._infos = _v1.tensor_infos(self._metadata)
             else:
-                sizes = {n: int(r["size"]) for n, r in self.manifest["files"].items()}
-                self._table = _storage.read_table(self.path, sizes)
-                self._infos = {k: TensorInfo(e.shape, e.dtype) for k, e in self._table.items()}
+                table = self._read_table()
+                self._infos = {k: TensorInfo(e.shape, e.dtype) for k, e in table.items()}
         return self._infos
+
+    def tensor_names(self) -> set[str]:
+        """The saved tensors' names (format 2: from the table, without torch)."""
+        if self.format_version == 1:
+            return set(self.tensor_infos())
+        return set(self._read_table())
+
+    def tensor_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Each saved tensor's shape and dtype name ("float32"); format 2 needs no torch."""
+        if self.format_version == 1:
+            return {
+                k: (tuple(i.shape), str(i.dtype).removeprefix("torch."))
+                for k, i in self.tensor_infos().items()
+            }
+        return {k: (e.shape, e.dtype_name) for k, e in self._read_table().items()}
+
+    def _read_table(self) -> dict[str, _format.Entry]:
+        """Format 2: the parsed and validated tensor table (no torch needed)."""
+        if self._table is None:
+            sizes = {n: int(r["size"]) for n, r in self.manifest["files"].items()}
+            self._table = _table.read_table(self.path, sizes)
+        return self._table
 
     @_located
     def load_tensors(self, targets: dict[str, torch.Tensor], *, verify: bool = True) -> None:
         """Fill ``targets`` from the payload; format 2 verifies every chunk read (``verify``)."""
         self.tensor_infos()
         if self._table is not None:
+            from . import _storage
+
             _storage.load_tensors(self.path, self._table, targets, verify)
         else:
             from . import _v1

@@ -37,7 +37,7 @@ from .._errors import CorruptCheckpointError, UnbrokenError, root_oserror
 from . import _direct, _format, _fsops
 from ._format import Chunk, Entry
 from ._manifest import dumps
-from ._safeio import read_json, safe_file
+from ._safeio import safe_file
 
 _local = threading.local()
 
@@ -370,24 +370,3 @@ def _load_direct(
             reads.abandon()
             raise
     return True
-
-
-def read_table(directory: str, file_sizes: dict[str, int]) -> dict[str, Entry]:
-    """Parse and validate ``tensors.json`` of ``directory`` (see _format.parse)."""
-    where = os.path.join(directory, _format.TABLE_FILE)
-    return _format.parse(read_json(directory, _format.TABLE_FILE), where, file_sizes)
-
-
-def verify_data(directory: str, table: dict[str, Entry], files: dict[str, Any]) -> None:
-    """Check every data file's chunks against the manifest's checksum of that file."""
-    for name, chunks in _format.file_chunks(table).items():
-        path = safe_file(directory, name)
-        digests = _direct.hash_chunks(path, chunks)
-        for c, d in zip(chunks, digests, strict=True):
-            if c.xxh3 != d:
-                raise CorruptCheckpointError(
-                    f"{path} does not match its xxh3 checksum (corrupted) in tensor {c.fqn!r}"
-                )
-        rec = files.get(name)
-        if rec is None or rec["xxh3_64"] != _format.combine(digests):
-            raise CorruptCheckpointError(f"{path} does not match its checksum in the manifest")

@@ -21,11 +21,9 @@ import shutil
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from .. import _dist, _log
+from .. import _log
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -37,9 +35,11 @@ from .._errors import (
 )
 from .._logfile import open_regular
 from .._version import __version__
-from ..state import Payload
-from . import _fsops, _layout, _manifest, _storage
+from . import _fsops, _layout, _manifest
 from ._reader import CheckpointReader
+
+if TYPE_CHECKING:  # imported where used: listing and pinning (``unbroken ls``) need no torch
+    from ..state import Payload
 
 log = _log.get("store")
 
@@ -69,6 +69,9 @@ class Listing:
     size: int
     mtime: float
     pinned: bool
+    saved_at: float | None = None
+    """When the checkpoint was committed (its manifest's ``saved_at_unix``); the directory's
+    mtime changes when it is pinned."""
 
 
 class CheckpointStore:
@@ -118,9 +121,10 @@ class CheckpointStore:
         of a live run) is gone, not corrupt, and left out."""
         out = []
         for step, path in _layout.scan(self.run_dir):
-            valid, reason, size = True, "", 0
+            valid, reason, size, saved_at = True, "", 0, None
             try:
                 r = CheckpointReader(path)
+                saved_at = _number(r.manifest.get("saved_at_unix"))
                 r.verify(checksums=checksums)
                 size = r.size_bytes()
                 mtime = os.stat(path).st_mtime
@@ -132,7 +136,7 @@ class CheckpointStore:
                 valid, reason = False, str(e)
                 mtime = _mtime(path)
             pinned = os.path.exists(os.path.join(path, _layout.PINNED))
-            out.append(Listing(step, path, valid, reason, size, mtime, pinned))
+            out.append(Listing(step, path, valid, reason, size, mtime, pinned, saved_at))
         return out
 
     def latest(self, *, checksums: bool = True, data: bool = True) -> CheckpointReader | None:
@@ -195,6 +199,9 @@ class CheckpointStore:
         """Write and commit a checkpoint of ``step`` (collective over ``group``); returns its
         path. A background save passes its own process group, so that its collectives never
         interleave with the training's."""
+        from .. import _dist
+        from . import _storage
+
         rank, world = _dist.rank(), _dist.world_size()
         tmp = os.path.join(self.root, _layout.tmp_name(step))
         final = os.path.join(self.root, _layout.step_name(step))
@@ -261,7 +268,7 @@ class CheckpointStore:
             },
             "versions": {
                 "unbroken": __version__,
-                "torch": torch.__version__,
+                "torch": _torch_version(),
                 "python": platform.python_version(),
             },
             "files": {k: {"size": s, "xxh3_64": h} for k, (s, h) in sorted(files.items())},
@@ -296,6 +303,8 @@ class CheckpointStore:
                 pass  # committed already; clean_stale() removes the leftover copy
 
     def _agree(self, err: BaseException | None, tmp: str, step: int, group: Any = None) -> None:
+        from .. import _dist
+
         failed = _dist.any_true(err is not None, group)
         if not failed:
             return
@@ -415,8 +424,10 @@ class CheckpointStore:
     def pin(self, step: int, pinned: bool = True) -> None:
         path = os.path.join(self.root, _layout.step_name(step), _layout.PINNED)
         if not os.path.isdir(os.path.dirname(path)):
+            steps = [s for s, _ in _layout.scan(self.run_dir)]
+            there = ", ".join(map(str, sorted(steps))) if steps else "none"
             raise CheckpointNotFoundError(
-                f"no checkpoint for step {step} in {self.root}",
+                f"no checkpoint for step {step} in {self.root}; the steps it holds: {there}",
                 path=os.path.dirname(path),
                 step=step,
             )
@@ -425,6 +436,17 @@ class CheckpointStore:
             os.close(open_regular(path, os.O_WRONLY | os.O_CREAT, "pin marker"))
         elif os.path.lexists(path):
             os.remove(path)
+
+
+def _number(value: Any) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if ok and value == value else None
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
 
 
 def _vanished(path: str) -> bool:

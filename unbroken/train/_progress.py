@@ -37,8 +37,14 @@ def next_save_text(cfg: Any, step: int, last_save_wall: float, deadline: float |
     """The save triggers the bar can predict: "next save in 12 steps, 4.5 min", and when a
     time limit will stop (and save) the run."""
     parts, now = [], time.time()
+    left_in_run = None if cfg.max_steps is None else cfg.max_steps - step
+    if left_in_run is not None and left_in_run <= 0:
+        return ""  # complete: the final save is being written, no other follows
     if cfg.save_every:
-        parts.append(f"{cfg.save_every - step % cfg.save_every} steps")
+        left = cfg.save_every - step % cfg.save_every
+        if left_in_run is not None and cfg.save_final:
+            left = min(left, left_in_run)  # the final save comes first
+        parts.append(f"{left} step{'' if left == 1 else 's'}")
     if cfg.save_every_minutes is not None:
         left = cfg.save_every_minutes * 60 - (now - last_save_wall)
         parts.append(f"{max(0.0, left) / 60:.1f} min")
