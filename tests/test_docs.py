@@ -37,6 +37,7 @@ RUN_DIR = re.compile(r"unbroken\.Run\(\s*(\"[^\"]+\"|os\.environ\[\"UNBROKEN_RUN
 NOT_VERIFIED = {
     "resume.md#3": "damages its own checkpoint to show the error and start_over",
     "trackers.md#2": "runs two launches in one process and asserts its own hook log",
+    "verify.md#0": "runs unbroken.verify_resume itself, on the script it writes",
 }
 
 
