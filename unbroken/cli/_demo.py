@@ -47,7 +47,7 @@ several minutes)."""
 QUICK_ARGS = ["--context", "32", "--batch-size", "16", "--workers", "1", "--no-amp"]
 QUICK_STEPS, QUICK_SAVE_EVERY = 200, 20
 FULL_STEPS, FULL_SAVE_EVERY = 300, 25
-PLOT_HINT = "matplotlib is not installed: pip install 'unbroken[plot]' (or matplotlib) for it"
+PLOT_HINT = "matplotlib is not installed: pip install matplotlib (unbroken's extra [plot]) for it"
 
 
 def register(sub: Any) -> None:
