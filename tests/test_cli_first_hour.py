@@ -1,6 +1,6 @@
-"""The command line as a new user meets it: ``ls``/``pin`` without torch, AGE from the commit
-time, errors that list what exists, a closed pipe that is not an error, RNG states summarised,
-the progress bar's counts, one line per fact after a kill."""
+"""The command line as a new user meets it: ``ls``/``inspect``/``pin`` without torch, AGE from
+the commit time, errors that list what exists, a closed pipe that is not an error, RNG states
+summarised, the progress bar's counts, one line per fact after a kill."""
 
 from __future__ import annotations
 
@@ -56,10 +56,12 @@ print("TORCH", sorted(m for m in sys.modules if m == "torch" or m.startswith("to
 """
 
 
-def test_ls_and_pin_do_not_import_torch(run_dir: Path) -> None:
+def test_ls_inspect_and_pin_do_not_import_torch(run_dir: Path) -> None:
     commands = [
         ["ls", str(run_dir)],
         ["ls", str(run_dir), "--json"],
+        ["inspect", str(run_dir)],
+        ["inspect", str(run_dir / "checkpoints" / "step-000000002"), "--json"],
         ["pin", str(run_dir), "2"],
         ["unpin", str(run_dir), "2"],
     ]
@@ -71,9 +73,10 @@ def test_ls_and_pin_do_not_import_torch(run_dir: Path) -> None:
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "CODES [0, 0, 0, 0]" in proc.stdout, proc.stdout + proc.stderr
+    assert "CODES [0, 0, 0, 0, 0, 0]" in proc.stdout, proc.stdout + proc.stderr
     assert "TORCH []" in proc.stdout, proc.stdout  # checksums verified, no torch imported
     assert "valid, latest" in proc.stdout
+    assert "exp_avg_sq" in proc.stdout and "[2, 3]" in proc.stdout  # inspect's tensor table
 
 
 def test_ls_age_is_the_commit_time_not_the_mtime(run_dir: Path) -> None:

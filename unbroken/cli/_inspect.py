@@ -245,9 +245,10 @@ class _Collect(logging.Handler):
 def describe(reader: CheckpointReader) -> dict[str, Any]:
     """Everything ``inspect`` shows, as JSON-ready values (no tensor data is read)."""
     from ..state import _tree
+    from ..store._format import ITEMSIZE
 
     m = reader.manifest
-    infos = reader.tensor_infos()
+    shapes = reader.tensor_shapes()  # names, shapes and dtypes: no torch needed
     trees = reader.global_trees()
     components: dict[str, dict[str, Any]] = {}
     for name, comp in sorted(m["components"].items()):
@@ -259,14 +260,14 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
             "tensors": [],
             "tensor_bytes": 0,
         }
-    for key, ti in infos.items():
+    for key, (shape, dtype) in shapes.items():
         head, _, rest = key.partition(_tree.SEP)
         comp_name, _, rank = head.partition("@rank")
         row: dict[str, Any] = {
             "name": rest,
-            "shape": list(ti.shape),
-            "dtype": str(ti.dtype).removeprefix("torch."),
-            "bytes": math.prod(ti.shape) * ti.dtype.itemsize,
+            "shape": list(shape),
+            "dtype": dtype,
+            "bytes": math.prod(shape) * ITEMSIZE.get(dtype, 0),
         }
         if rank:
             row["rank"] = int(rank)

@@ -107,7 +107,7 @@ class CheckpointReader:
         self.global_trees()
         for rank in range(self.world_size):
             self.local_trees(rank)
-        self.tensor_infos()
+        self.tensor_names()
         if self.format_version == 1:
             from . import _v1
 
