@@ -184,3 +184,23 @@ def test_after_a_kill_the_snapshot_kept_is_said_once(tmp_path: Path) -> None:
     assert len(said) == 1, live
     assert "attempt 1:" in said[0] and "kept the in-memory snapshot of step 7" in said[0]
     assert "resumed" in live and "from step 7" in live
+
+
+def test_every_help_is_plain_text() -> None:
+    """The commands' descriptions are the modules' reST docstrings: --help shows no markup."""
+    from unbroken.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for name, p in sub.choices.items():  # type: ignore[union-attr]
+        text = p.format_help()
+        for markup in ("``", ":func:", ":class:", ":meth:"):
+            assert markup not in text, f"unbroken {name} --help shows {markup!r}"
+
+
+def test_the_demo_says_how_to_get_the_plot(tmp_path: Path, monkeypatch) -> None:
+    from unbroken.cli import _demo
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    assert _demo.plot(tmp_path, tmp_path, tmp_path / "demo.png") is None
+    assert "pip install matplotlib" in _demo.PLOT_HINT and "[plot]" in _demo.PLOT_HINT
