@@ -200,8 +200,6 @@ def main() -> int:
         save_every=a.save_every,
         max_steps=a.steps,
     )
-    if run.resumed_from is not None and rank == 0:
-        print(f"resumed from step {run.resumed_from}", flush=True)
     if a.signal_at == 0:
         os.kill(os.getpid(), getattr(signal, "SIG" + a.signal))
 

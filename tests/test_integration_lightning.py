@@ -172,3 +172,27 @@ def test_unknown_option_is_refused() -> None:
 
     with pytest.raises(ConfigError, match=r"\['max_steps'\] are not options here"):
         LightningResume("runs/x", max_steps=3)
+
+
+# ---- the unified package: import lightning as L ---------------------------------------------
+
+UNIFIED = ROOT / "tests" / "scripts" / "lightning_unified.py"
+
+
+def test_unified_lightning_package_with_a_datamodule_and_validation(tmp_path: Path) -> None:
+    """``import lightning as L`` (``lightning.pytorch``), a LightningDataModule returning
+    unbroken.DataLoaders, a validation loop every 4 steps, and a field ``training_step``
+    returns. SIGTERM after step 6 (mid-epoch; its stop saves step 6), SIGKILL after step 9
+    (after the validation of step 8; resumes from step 6): equal to the uninterrupted run."""
+    pytest.importorskip("lightning")
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    assert launch(UNIFIED, ["--run-dir", str(ref)]) == 0
+    run_interrupted(INTERRUPT, [str(UNIFIED)], cut, [(6, "TERM"), (9, "KILL")])
+    assert_identical(ref, cut)
+    _same_final(ref, cut)
+    import unbroken
+
+    rows = unbroken.read_metrics(cut)
+    assert [r["step"] for r in rows] == list(range(1, 15))
+    assert all(isinstance(r.get("accuracy"), float) for r in rows), rows[:2]
+    assert "import lightning as L" in UNIFIED.read_text()

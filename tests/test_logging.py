@@ -1,6 +1,7 @@
 """unbroken reports its operational events through logging ("unbroken" and its children), on
 rank 0, never through print or warnings: resume, save, fallback past an unusable checkpoint,
-stop. With logging unconfigured the WARNING ones (the stop above all) still reach stderr."""
+stop. With logging unconfigured the WARNING ones (the stop above all) still reach stderr, and so
+does the resume (announced: one line on rank 0)."""
 
 from __future__ import annotations
 
@@ -44,12 +45,15 @@ def test_two_ranks_log_on_rank_0_only(tmp_path: Path) -> None:
     assert "LOG WARNING r0 unbroken: stopped at step 6 (signal SIGTERM)" in rank0, errs[0]
     assert _lines(errs[1]) == [], errs[1]
     # Launch 3: logging left unconfigured. The stop still reaches rank 0's stderr (through
-    # logging.lastResort), once; INFO does not; rank 1 says nothing.
+    # logging.lastResort), once, and the resume is announced there, once; other INFO records
+    # (saves) are not shown; rank 1 says nothing.
     codes, errs = launch(SCRIPT, ["--run-dir", run_dir, "--steps", "10", "--stop-at", "8"], 2)
     assert codes == [75, 75], errs
     assert errs[0].count("unbroken: stopped at step 8 (signal SIGTERM)") == 1, errs[0]
     assert "relaunch the same command to continue" in errs[0]
-    assert "resumed" not in errs[0] and "saved step" not in errs[0], errs[0]
+    resumed = [line for line in errs[0].splitlines() if "resumed" in line]
+    assert resumed == [f"unbroken: resumed {run_dir} from step 6 (checkpoints/step-000000006)"]
+    assert "saved step" not in errs[0], errs[0]
     assert "unbroken" not in errs[1], errs[1]
 
 

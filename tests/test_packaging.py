@@ -3,8 +3,10 @@ metadata agrees with the docs, and ``unbroken demo`` runs from a fresh virtual e
 
 from __future__ import annotations
 
+import glob
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -52,8 +54,29 @@ def test_license_and_metadata() -> None:
     assert (ROOT / "unbroken" / "py.typed").is_file()
     readme = (ROOT / "README.md").read_text()
     assert "POSIX" in readme
-    first_block = readme.split("```bash", 1)[1].split("```", 1)[0]
-    assert first_block.strip().splitlines()[0].startswith("pip install unbroken")
+
+
+def _install_blocks() -> tuple[list[str], list[str]]:
+    """The README's two install blocks: from a checkout, from a built wheel (comments cut)."""
+    readme = (ROOT / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
+    blocks = [b.split("```", 1)[0] for b in readme.split("```bash\n")[1:]]
+    assert len(blocks) == 2, blocks
+    lines = [[ln.split("#", 1)[0].strip() for ln in b.splitlines()] for b in blocks]
+    checkout, wheel = ([ln for ln in b if ln] for b in lines)
+    return checkout, wheel
+
+
+def test_the_readme_installs_only_what_exists() -> None:
+    """No install line the registry cannot serve: unbroken is not published, so the README
+    installs from a checkout or a built wheel, and says so."""
+    readme = (ROOT / "README.md").read_text()
+    checkout, wheel = _install_blocks()
+    assert checkout == ["pip install .", "unbroken demo"]
+    assert wheel[0].startswith("pip wheel --no-deps -w dist .")
+    assert wheel[1:] == ["pip install dist/unbroken-*.whl"]
+    assert "not on PyPI yet: `pip install unbroken` finds nothing" in readme
+    every_block = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    assert not any(re.search(r"pip install unbroken\b", b) for b in every_block)
 
 
 def test_every_subpackage_is_listed() -> None:
@@ -130,9 +153,16 @@ def test_wheel_installs_into_a_fresh_venv_and_the_demo_runs(tmp_path: Path) -> N
     ).stdout.strip()
     deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     Path(purelib, "_unbroken_test_deps.pth").write_text("\n".join(sorted(deps)) + "\n")
+    # The README's own lines: `pip wheel ... -w dist .` wrote dist/ (above, from a copy of the
+    # checkout), then `pip install dist/unbroken-*.whl` as written, run by this interpreter's pip
+    # for the new one (--no-index: the dependencies are already there).
+    _, readme_wheel = _install_blocks()
+    install_line = shlex.split(readme_wheel[-1])
+    assert install_line[:2] == ["pip", "install"]
+    targets = [p for arg in install_line[2:] for p in glob.glob(str(tmp_path / arg))]
+    assert targets == [str(wheel)], targets
     install = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index"]
-        + [str(wheel)],
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index", *targets],
         capture_output=True,
         text=True,
         timeout=300,
@@ -143,9 +173,12 @@ def test_wheel_installs_into_a_fresh_venv_and_the_demo_runs(tmp_path: Path) -> N
     work = tmp_path / "elsewhere"  # not the checkout: nothing can be found relative to it
     work.mkdir()
     out = work / "demo-out"
-    args = ["demo", "--out", str(out), "--steps", "6", "--save-every", "2", "--kills", "1"]
+    # The README's `unbroken demo`, shortened: the whole demo is timed in docs/performance.md.
+    checkout, _ = _install_blocks()
+    assert checkout[-1] == "unbroken demo"
+    args = ["--out", str(out), "--steps", "6", "--save-every", "2", "--kills", "1"]
     proc = subprocess.run(
-        [str(venv / "bin" / "unbroken"), *args, "--no-plot", "--seed", "1"],
+        [str(venv / "bin" / "unbroken"), "demo", *args, "--seed", "1"],
         cwd=work,
         env=env,
         capture_output=True,
@@ -156,3 +189,13 @@ def test_wheel_installs_into_a_fresh_venv_and_the_demo_runs(tmp_path: Path) -> N
     assert f"script: {Path(purelib) / 'unbroken' / '_examples' / 'char_lm.py'}" in proc.stdout
     assert "RESULT: bit-for-bit identical" in proc.stdout
     assert (out / "interrupted" / "final.safetensors").is_file()
+    # Each launch has its line as it ends, in order, though stdout is a pipe (flushed).
+    launches = [ln for ln in proc.stdout.splitlines() if ln.strip().startswith("launch ")]
+    assert [ln.split(":")[0].strip() for ln in launches] == ["launch 1", "launch 2"], proc.stdout
+    plot = next(ln for ln in proc.stdout.splitlines() if ln.startswith("loss curves:"))
+    try:
+        import matplotlib  # noqa: F401
+
+        assert plot.endswith("demo.png"), plot
+    except ImportError:
+        assert "pip install matplotlib" in plot, plot

@@ -14,16 +14,20 @@ record carries ``rank`` (so a format may use ``%(rank)s``) and, where known, ``s
 Handlers. None is installed, not even a ``NullHandler``: with logging left unconfigured,
 records of WARNING and above reach stderr through ``logging.lastResort`` -- so the stop message
 ("stopped at step N ...; relaunch the same command to continue") is seen by default -- and INFO
-(resume, save) needs ``logging.basicConfig(level=logging.INFO)`` or a handler of your own.
+(save, model change) needs ``logging.basicConfig(level=logging.INFO)`` or a handler of your own.
+
+Announcements. A resume is INFO, yet a job log must show that a run resumed, and from where:
+:func:`announce` writes it to stderr as ``logging.lastResort`` would when logging is left
+unconfigured; once a handler is configured, the record goes through it at INFO like any other.
+``logging.getLogger("unbroken").setLevel(logging.WARNING)`` silences it either way.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
-
-from . import _dist
 
 ROOT = "unbroken"
 
@@ -33,8 +37,11 @@ def get(name: str = "") -> logging.Logger:
 
 
 def this_rank() -> int:
-    if _dist.active():
-        return _dist.rank()
+    if "torch.distributed" in sys.modules:  # else no process group can exist: torch-free tools
+        from . import _dist
+
+        if _dist.active():
+            return _dist.rank()
     # Before init_process_group (or in a tool), torchrun's or srun's variables say which rank.
     for var in ("RANK", "SLURM_PROCID"):
         value = os.environ.get(var, "")
@@ -59,3 +66,28 @@ def event(
     if logger.isEnabledFor(level):
         extra = {"rank": rank, "step": step, "path": path}
         logger.log(level, msg, *args, extra=extra, stacklevel=2)
+
+
+def announce(
+    logger: logging.Logger, msg: str, *args: Any, step: int | None = None, path: str | None = None
+) -> None:
+    """An INFO event that rank 0 also prints to stderr while logging is unconfigured (see
+    "Announcements" above); quiet once a level above INFO is set on ``unbroken`` (or a child)."""
+    if this_rank() != 0 or logger.hasHandlers() or _quieted(logger):
+        event(logger, logging.INFO, msg, *args, step=step, path=path)
+        return
+    # What logging.lastResort does for WARNING, for this one INFO record: the message alone,
+    # on the stderr of the moment.
+    extra = {"rank": 0, "step": step, "path": path}
+    record = logger.makeRecord(logger.name, logging.INFO, __file__, 0, msg, args, None, extra=extra)
+    logging.StreamHandler(sys.stderr).handle(record)
+
+
+def _quieted(logger: logging.Logger) -> bool:
+    """A level set explicitly on ``logger`` or an ancestor below the root, above INFO."""
+    node: Any = logger
+    while node is not None and node.name != "root":
+        if node.level != logging.NOTSET:
+            return bool(node.level > logging.INFO)
+        node = node.parent if node.propagate else None
+    return False

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -26,14 +28,40 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in _commands.MODULES:
         module.register(sub)
+    for p in sub.choices.values():  # the modules' docstrings are reST; --help is plain text
+        p.description, p.epilog = plain(p.description), plain(p.epilog)
     return parser
+
+
+def _pipe_closed() -> int:
+    """The reader of stdout went away (``unbroken diff ... | head``): not an error to report.
+    stdout is pointed at /dev/null so that flushing it at exit cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_FAILURE
+
+
+_ROLE = re.compile(r":(?:func|class|meth|attr|mod|data|exc):`~?([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def plain(text: str | None) -> str | None:
+    """reST markup as plain text: ``:func:`x``` and double-backquoted literals become ``x``."""
+    if text is None:
+        return None
+    return _LITERAL.sub(r"\1", _ROLE.sub(r"\1", text))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, not at exit: a closed pipe is caught below
+        return code
+    except BrokenPipeError:
+        return _pipe_closed()
     except CheckpointNotFoundError as e:
         print(f"unbroken: {e}", file=sys.stderr)
         return EXIT_NO_CHECKPOINT

@@ -1,8 +1,6 @@
-"""``unbroken demo``: train the char-level LM twice -- once straight through, once while being
-killed (SIGKILL and SIGTERM at random moments, one SIGKILL inside a save) and relaunched -- and
-compare the two, bit for bit. The killing, relaunching and comparing are
-:func:`unbroken.verify_resume`'s (what ``unbroken verify`` runs on your own script); the demo
-adds a table, the example's exported weights compared, and a PNG of both loss curves.
+"""The ``unbroken demo`` command: the example's char-level transformer trained twice and compared.
+
+The help text below is shown by ``unbroken demo --help`` (plain text, no markup).
 """
 
 from __future__ import annotations
@@ -10,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,24 +31,89 @@ def default_script() -> Path:
     return Path(__file__).resolve().parents[2] / "examples" / "char_lm.py"
 
 
+DESCRIPTION = """\
+Train a small character-level transformer (examples/char_lm.py) twice: once straight
+through, once while being killed (SIGKILL and SIGTERM at random moments, one SIGKILL
+inside a save) and relaunched. Then compare the two runs, bit for bit: every checkpoint,
+the exported weights and the per-step losses. The killing, relaunching and comparing are
+what `unbroken verify` runs on your own script. About a minute on 2 CPU cores; --full
+trains the example as its own defaults say (larger, bf16 autocast with a GradScaler:
+several minutes)."""
+
+# A smaller configuration of the same example for a demo of about a minute on 2 CPU cores:
+# shorter windows and batches, fp32 (bf16 autocast is several times slower on most CPUs) and
+# one loader worker. Still a transformer, a shuffled mid-epoch loader with a worker, dropout,
+# AdamW, an LR schedule and an EMA, resumed through real kills.
+QUICK_ARGS = ["--context", "32", "--batch-size", "16", "--workers", "1", "--no-amp"]
+QUICK_STEPS, QUICK_SAVE_EVERY = 200, 20
+FULL_STEPS, FULL_SAVE_EVERY = 300, 25
+PLOT_HINT = "matplotlib is not installed: pip install matplotlib (unbroken's extra [plot]) for it"
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "demo",
         help="train the example twice (straight, and killed + relaunched) and compare",
-        description=__doc__,
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--out", default="demo-out", help="output directory (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=300, help="training steps (default: %(default)s)")
-    p.add_argument("--save-every", type=int, default=25, help="(default: %(default)s)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"training steps (default: {QUICK_STEPS}; {FULL_STEPS} with --full)",
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"save every N steps (default: {QUICK_SAVE_EVERY}; {FULL_SAVE_EVERY} with --full)",
+    )
     p.add_argument("--kills", type=int, default=4, help="interruptions (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="picks the kill moments")
+    p.add_argument(
+        "--full", action="store_true", help="the example's own configuration (several minutes)"
+    )
     p.add_argument("--script", default=None, help="the training script (default: char_lm.py)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG of the loss curves")
     p.set_defaults(func=run)
 
 
+def _command(args: argparse.Namespace, script: Path) -> tuple[list[str], int]:
+    """The command verify launches, and its step count."""
+    from ..verify import PLACEHOLDER
+
+    full = args.full or args.script is not None  # a user's script gets no example options
+    steps = args.steps or (FULL_STEPS if full else QUICK_STEPS)
+    every = args.save_every or (FULL_SAVE_EVERY if full else QUICK_SAVE_EVERY)
+    cmd = [sys.executable, str(script), "--run-dir", PLACEHOLDER]
+    cmd += ["--steps", str(steps), "--save-every", str(every)]
+    return cmd + ([] if full else QUICK_ARGS), steps
+
+
+class _Ticker:
+    """A line now and then while a launch trains (a piped log gets no progress bar)."""
+
+    def __init__(self, every: float = 10.0) -> None:
+        self.every, self._last = every, time.monotonic()
+        self._label, self._first, self._shown = "", 0, 0
+
+    def __call__(self, label: str, step: int, total: int | None) -> None:
+        if label != self._label:  # a new launch: its first steps are the resumed ones
+            self._label, self._first, self._shown = label, step, step
+            return
+        now = time.monotonic()
+        if now - self._last < self.every or step <= self._shown:
+            return
+        self._last, self._shown = now, step
+        of = f"/{total}" if total else ""
+        print(f"        {label}: step {step}{of}", flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
-    from ..verify import PLACEHOLDER, VerifyError, verify_resume
+    from ..verify import VerifyError, verify_resume
 
     script = Path(args.script) if args.script else default_script()
     if not script.is_file():
@@ -61,21 +125,22 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     print(f"script: {script}", flush=True)
     out = Path(args.out)
-    cmd = [sys.executable, str(script), "--run-dir", PLACEHOLDER]
-    cmd += ["--steps", str(args.steps), "--save-every", str(args.save_every)]
+    cmd, steps = _command(args, script)
+    kills = max(0, args.kills)
     print(
-        f"training {args.steps} steps twice in {out}: straight through (reference/), then "
-        f"interrupted {max(0, args.kills)} time(s) and relaunched (interrupted/)",
+        f"training {steps} steps twice in {out}: straight through (reference/), then "
+        f"interrupted {kills} time{'' if kills == 1 else 's'} and relaunched (interrupted/)",
         flush=True,
     )
     try:
         report = verify_resume(
             cmd,
-            interrupts=max(0, args.kills),
+            interrupts=kills,
             seed=args.seed,
             work_dir=out,
             keep=True,
             progress=lambda msg: print(f"      {msg}", flush=True),
+            step_progress=_Ticker(),
         )
     except (ConfigError, VerifyError) as e:
         print(f"unbroken demo: {e}", file=sys.stderr)
@@ -87,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     _print_table(summary, report)
     if not args.no_plot:
         png = plot(ref_dir, int_dir, out / "demo.png")
-        print(f"loss curves: {png}" if png else "loss curves: matplotlib not installed, skipped")
+        print(f"loss curves: {png}" if png else f"loss curves: skipped; {PLOT_HINT}")
     summary["verify"] = report.as_dict()
     (out / "report.json").write_text(json.dumps(summary, indent=2))
     return EXIT_OK if summary["identical"] else EXIT_FAILURE

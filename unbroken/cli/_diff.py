@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import xxhash
+
 from .._exit import EXIT_FAILURE, EXIT_OK
 from . import _weights
 
@@ -206,6 +208,8 @@ def _same_value(x: Any, y: Any) -> bool:
 def _short(v: Any) -> str:
     if isinstance(v, _weights.Ref):
         return f"tensor {list(v.shape)} {str(v.dtype).removeprefix('torch.')}"
+    if isinstance(v, (bytes, bytearray)):  # a generator's raw state: its size and a hash
+        return f"{len(v)} bytes (xxh3 {xxhash.xxh3_64_hexdigest(bytes(v))[:8]})"
     text = repr(v)
     return text if len(text) <= 60 else text[:57] + "..."
 

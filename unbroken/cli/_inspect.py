@@ -92,7 +92,9 @@ def ls(args: argparse.Namespace) -> int:
                 "latest": is_latest,
                 "size_bytes": _disk_size(item.path),
                 "mtime": item.mtime,
-                "age_seconds": round(max(now - item.mtime, 0.0), 3),
+                "saved_at_unix": item.saved_at,
+                # From the commit time the manifest records: pinning changes the mtime.
+                "age_seconds": round(max(now - (item.saved_at or item.mtime), 0.0), 3),
                 "pinned": item.pinned,
                 "checked": "sizes" if args.no_verify else "checksums",
             }
@@ -288,7 +290,7 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
     from ..state import _tree
 
     m = reader.manifest
-    infos = reader.tensor_infos()
+    infos = reader.tensor_infos()  # names, shapes and dtypes from the table
     trees = reader.global_trees()
     components: dict[str, dict[str, Any]] = {}
     for name, comp in sorted(m["components"].items()):
@@ -300,14 +302,15 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
             "tensors": [],
             "tensor_bytes": 0,
         }
-    for key, ti in infos.items():
+    for key, info in infos.items():
+        shape, dtype = tuple(info.shape), str(info.dtype).removeprefix("torch.")
         head, _, rest = key.partition(_tree.SEP)
         comp_name, _, rank = head.partition("@rank")
         row: dict[str, Any] = {
             "name": rest,
-            "shape": list(ti.shape),
-            "dtype": str(ti.dtype).removeprefix("torch."),
-            "bytes": math.prod(ti.shape) * ti.dtype.itemsize,
+            "shape": list(shape),
+            "dtype": dtype,
+            "bytes": math.prod(shape) * info.dtype.itemsize,
         }
         if rank:
             row["rank"] = int(rank)

@@ -91,7 +91,7 @@ def draw(
         import matplotlib.pyplot as plt
     except ImportError:
         raise CheckpointError(
-            "unbroken plot needs matplotlib: pip install 'unbroken[plot]'"
+            "unbroken plot needs matplotlib: pip install matplotlib (unbroken's extra [plot])"
         ) from None
     fig, axes = plt.subplots(len(keys), 1, sharex=True, figsize=(9, 2.2 + 1.8 * len(keys)))
     axes = [axes] if len(keys) == 1 else list(axes)

@@ -295,8 +295,8 @@ class Supervisor:
             return None, f"snapshot not persisted: {e}"
         if got is None:
             return None, ""
-        _say(f"kept the in-memory snapshot of step {got[0]} in {got[1]}")
-        return got[0], f"persisted the in-memory snapshot of step {got[0]}"
+        # Said once, in the attempt line.
+        return got[0], f"kept the in-memory snapshot of step {got[0]}"
 
     def _sleep(self, seconds: float) -> bool:
         # Short naps: time.sleep resumes after a signal (PEP 475), so it cannot be woken.

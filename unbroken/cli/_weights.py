@@ -73,12 +73,20 @@ def weight_refs(reader: CheckpointReader, component: str | None, ema: bool) -> t
     kinds = {name: (c or {}).get("kind") for name, c in reader.components.items()}
     if component is None:
         pick = [n for n in sorted(trees) if (_is_ema(trees[n]) if ema else kinds[n] == "module")]
-        what = "an EMA (unbroken.EMA)" if ema else "a module"
-        if len(pick) != 1:
-            found = "none" if not pick else "several: " + ", ".join(pick)
+        if not pick and ema:
+            modules = [n for n in sorted(trees) if kinds[n] == "module"]
+            plain = f"; for its model, drop --ema (modules: {', '.join(modules)})"
+            plain = plain if modules else ""
+            raise UsageError(f"{reader.path} holds no EMA (unbroken.EMA){plain}")
+        if not pick:
             raise UsageError(
-                f"{reader.path} holds {found} of the components that are {what}; "
-                f"name one with --component (components: {', '.join(sorted(trees))})"
+                f"{reader.path} holds no module; name a component with --component "
+                f"(components: {', '.join(sorted(trees))})"
+            )
+        if len(pick) > 1:
+            what = "EMAs (unbroken.EMA)" if ema else "modules"
+            raise UsageError(
+                f"{reader.path} holds several {what}: {', '.join(pick)}; name one with --component"
             )
         component = pick[0]
     if component not in trees:
@@ -201,6 +209,8 @@ def run_guarded(name: str, fn: Any, args: argparse.Namespace) -> int:
 
     try:
         return int(fn(args))
+    except BrokenPipeError:
+        raise  # the reader went away (``| head``): unbroken.cli.main ends quietly
     except UsageError as e:
         print(f"unbroken {name}: error: {e}", file=sys.stderr)
         return EXIT_USAGE

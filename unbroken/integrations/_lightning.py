@@ -70,6 +70,22 @@ def _framework() -> Any:
 _CLASSES: dict[str, type] = {}
 
 
+def step_fields(outputs: Any) -> dict[str, Any]:
+    """The scalars ``training_step`` returned beside ``loss`` (``{"loss": l, "acc": a}``): each
+    a field of the step's line in ``metrics.jsonl``. Tensors of one element, ints and floats."""
+    if not isinstance(outputs, Mapping):
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in outputs.items():
+        if key == "loss" or not isinstance(key, str):
+            continue
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            out[key] = value.detach().float().item()
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = value
+    return out
+
+
 def LightningResume(  # noqa: N802 - reads as the class it returns
     run_dir: str,
     /,
@@ -288,6 +304,7 @@ def _build(pl: Any) -> type:
             if not isinstance(loss, (torch.Tensor, float, int)):
                 loss = None
             scalars = {"lr": self._lr} if self._lr is not None else {}
+            scalars.update(step_fields(outputs))
             run.step(loss=loss, **scalars)
 
         # ---- the end ------------------------------------------------------------------------

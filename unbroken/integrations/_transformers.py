@@ -185,6 +185,7 @@ def _make_hooks_class() -> type:
             self.position: _StepEndPosition | None = None
             self.pending: dict[str, Any] | None = None
             self.lr: float | None = None
+            self.fields: dict[str, Any] = {}  # unbroken_log(): fields of the step in progress
 
         def done(self) -> bool:
             return self.run is not None and (self.run.done or self.run.closed)
@@ -207,6 +208,7 @@ def _make_hooks_class() -> type:
             state.epoch = dl.epoch + dl.position / max(1, len(dl.dataset))
             control.should_save = False  # unbroken saves; the Trainer writes no pickles
             self.pending = {"loss": self.trainer._unbroken_take_loss(), "lr": self.lr}
+            self.pending["fields"], self.fields = self.fields, {}
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             self._commit()
@@ -223,6 +225,8 @@ def _make_hooks_class() -> type:
             assert self.position is not None
             self.run.counters.epoch = self.position.epoch
             scalars = {"lr": pending["lr"]} if pending["lr"] is not None else {}
+            for key, value in pending["fields"].items():
+                scalars[key] = value.item() if isinstance(value, torch.Tensor) else value
             self.run.step(loss=pending["loss"], **scalars)
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -285,6 +289,17 @@ def _build() -> type:
             self._unbroken_hooks = Hooks(self)
             self.add_callback(self._unbroken_hooks)  # last: after the flow and user callbacks
             self._unbroken_check_args()
+
+        @property
+        def unbroken_run(self) -> Any:
+            """The :class:`unbroken.Run` behind this Trainer, from ``on_train_begin`` on
+            (None before): ``trainer.unbroken_run.counters.step``, ``.resumed_from``, ..."""
+            return self._unbroken_hooks.run
+
+        def unbroken_log(self, **fields: Any) -> None:
+            """Add fields to this step's line of ``metrics.jsonl`` (numbers; one-element
+            tensors are read with ``.item()``), e.g. from ``compute_loss`` or a callback."""
+            self._unbroken_hooks.fields.update(fields)
 
         # ---- start-up checks ------------------------------------------------------------------
 
@@ -427,10 +442,7 @@ def _build() -> type:
             if a.save_total_limit is not None:
                 options["keep_last"] = int(a.save_total_limit)
             options.update(self._unbroken_options)
-            run = Run(self._unbroken_dir, **comps, **options)
-            if run.resumed_from is not None:
-                log.info("unbroken: resumed from step %d", run.resumed_from)
-            return run
+            return Run(self._unbroken_dir, **comps, **options)  # it announces a resume
 
         def _unbroken_callbacks(self) -> dict[str, Any]:
             out: dict[str, Any] = {}

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import base64
 import math
-from typing import Any
-
-import numpy as np
-import torch
+import sys
+from typing import TYPE_CHECKING, Any
 
 from .._errors import CorruptCheckpointError, StateError
+
+if TYPE_CHECKING:  # imported where used: decoding plain JSON (``unbroken inspect``) needs neither
+    import numpy as np
+    import torch
 
 Json = Any
 SEP = "/"
@@ -45,12 +47,14 @@ def _encode(obj: Any, path: str, out: dict[str, torch.Tensor]) -> Json:
         return int(obj)
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else {"$float": repr(obj)}
-    if isinstance(obj, torch.Tensor):
+    # Without torch (or NumPy) imported, no tensor (or array) can exist: no import needed.
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
         if path in out:
             raise StateError(f"two tensors map to the name {path!r}; rename one of the keys")
         out[path] = obj
         return {"$tensor": path}
-    if isinstance(obj, torch.Size):
+    if torch is not None and isinstance(obj, torch.Size):
         return {"$size": list(obj)}
     if isinstance(obj, tuple):
         return {"$tuple": [_encode(v, f"{path}{SEP}{i}", out) for i, v in enumerate(obj)]}
@@ -58,13 +62,14 @@ def _encode(obj: Any, path: str, out: dict[str, torch.Tensor]) -> Json:
         return [_encode(v, f"{path}{SEP}{i}", out) for i, v in enumerate(obj)]
     if isinstance(obj, dict):
         return _encode_dict(obj, path, out)
-    if isinstance(obj, torch.dtype):
+    if torch is not None and isinstance(obj, torch.dtype):
         return {"$dtype": str(obj).removeprefix("torch.")}
-    if isinstance(obj, torch.device):
+    if torch is not None and isinstance(obj, torch.device):
         return {"$device": str(obj)}
     if isinstance(obj, bytes):
         return {"$bytes": base64.b64encode(obj).decode("ascii")}
-    if isinstance(obj, np.ndarray):
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(obj, np.ndarray):
         arr = np.ascontiguousarray(obj)
         if arr.dtype.hasobject:
             raise StateError(f"state at {path!r} is a NumPy object array, which cannot be saved")
@@ -75,7 +80,7 @@ def _encode(obj: Any, path: str, out: dict[str, torch.Tensor]) -> Json:
                 "data": base64.b64encode(arr.tobytes()).decode("ascii"),
             }
         }
-    if isinstance(obj, np.generic):
+    if np is not None and isinstance(obj, np.generic):
         return _encode(obj.item(), path, out)
     raise StateError(
         f"state at {path!r} has type {type(obj).__qualname__}, which unbroken cannot save "
@@ -155,6 +160,8 @@ def _decode_marker(key: str, value: Any, tensors: dict[str, torch.Tensor]) -> An
             out[_hashable(_join(pair[0], tensors))] = _join(pair[1], tensors)
         return out
     if key == "$size":
+        import torch
+
         return torch.Size([int(v) for v in _as_list(value, key)])
     if key == "$float":
         if value not in ("nan", "inf", "-inf"):
@@ -163,16 +170,22 @@ def _decode_marker(key: str, value: Any, tensors: dict[str, torch.Tensor]) -> An
     if key == "$bytes":
         return base64.b64decode(str(value), validate=True)
     if key == "$dtype":
+        import torch
+
         dtype = getattr(torch, str(value), None)
         if not isinstance(dtype, torch.dtype):
             raise CorruptCheckpointError(f"unknown dtype {value!r}")
         return dtype
     if key == "$device":
+        import torch
+
         return torch.device(str(value))
     return _decode_ndarray(value)
 
 
 def _decode_ndarray(value: Any) -> np.ndarray:
+    import numpy as np
+
     try:
         dtype = np.dtype(value["dtype"])
         shape = tuple(int(s) for s in value["shape"])

@@ -227,3 +227,26 @@ def _describe(holder: dict[str, Any] | None) -> str:
 def _short(value: Any) -> str:
     text = str(value) if isinstance(value, (int, str)) else repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def take_run_dir(lock: WriterLock) -> None:
+    """Create ``lock.run_dir`` (with its parents) and take its lock. A directory that cannot be
+    created or written -- a read-only file system, no permission, a full disk -- is a
+    CheckpointWriteError naming it: no checkpoint could ever be saved there."""
+    try:
+        os.makedirs(lock.run_dir, exist_ok=True)
+        lock.acquire()
+    except OSError as e:
+        cause = {
+            errno.EROFS: "it is on a read-only file system",
+            errno.EACCES: f"user {os.getuid()} may not write there",
+            errno.EPERM: f"user {os.getuid()} may not write there",
+            errno.ENOSPC: "the disk is full",
+        }.get(e.errno or 0, f"[Errno {e.errno}] {e.strerror}")
+        where = f" ({e.filename})" if e.filename and e.filename != lock.run_dir else ""
+        raise CheckpointWriteError(
+            f"cannot write to the run directory {lock.run_dir}{where}: {cause}; give Run a "
+            "directory this process can write (or make this one writable). Nothing was changed",
+            errno=e.errno,
+            path=lock.run_dir,
+        ) from e

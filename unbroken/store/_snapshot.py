@@ -193,7 +193,7 @@ def persist(area: str, run_dir: str) -> int | None:
     metrics = os.path.join(run_dir, METRICS_FILE)
     if os.path.isfile(metrics) and not os.path.islink(metrics):
         _fsops.fsync_file(metrics)  # the log the snapshot records must survive with it
-    log.warning(
+    log.info(  # the supervisor, which called this, tells the user (once)
         "unbroken: the trainer died; kept its in-memory snapshot of step %d in %s", step, run_dir
     )
     return step

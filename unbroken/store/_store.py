@@ -73,6 +73,9 @@ class Listing:
     size: int
     mtime: float
     pinned: bool
+    saved_at: float | None = None
+    """When the checkpoint was committed (its manifest's ``saved_at_unix``); the directory's
+    mtime changes when it is pinned."""
 
 
 class CheckpointStore:
@@ -130,9 +133,10 @@ class CheckpointStore:
     def _listing(self, checksums: bool) -> tuple[list[Listing], bool]:
         out, vanished = [], False
         for step, path in _layout.scan(self.run_dir):
-            valid, reason, size = True, "", 0
+            valid, reason, size, saved_at = True, "", 0, None
             try:
                 r = CheckpointReader(path)
+                saved_at = _number(r.manifest.get("saved_at_unix"))
                 r.verify(checksums=checksums)
                 size = r.size_bytes()
                 mtime = os.stat(path).st_mtime
@@ -145,7 +149,7 @@ class CheckpointStore:
                 valid, reason = False, str(e)
                 mtime = _mtime(path)
             pinned = os.path.exists(os.path.join(path, _layout.PINNED))
-            out.append(Listing(step, path, valid, reason, size, mtime, pinned))
+            out.append(Listing(step, path, valid, reason, size, mtime, pinned, saved_at))
         return out, vanished
 
     def latest(self, *, checksums: bool = True, data: bool = True) -> CheckpointReader | None:
@@ -436,8 +440,10 @@ class CheckpointStore:
     def pin(self, step: int, pinned: bool = True) -> None:
         path = os.path.join(self.root, _layout.step_name(step), _layout.PINNED)
         if not os.path.isdir(os.path.dirname(path)):
+            steps = [s for s, _ in _layout.scan(self.run_dir)]
+            there = ", ".join(map(str, sorted(steps))) if steps else "none"
             raise CheckpointNotFoundError(
-                f"no checkpoint for step {step} in {self.root}",
+                f"no checkpoint for step {step} in {self.root}; the steps it holds: {there}",
                 path=os.path.dirname(path),
                 step=step,
             )
@@ -446,6 +452,11 @@ class CheckpointStore:
             os.close(open_regular(path, os.O_WRONLY | os.O_CREAT, "pin marker"))
         elif os.path.lexists(path):
             os.remove(path)
+
+
+def _number(value: Any) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if ok and value == value else None
 
 
 def _vanished(path: str) -> bool:

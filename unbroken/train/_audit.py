@@ -12,11 +12,13 @@ from __future__ import annotations
 import logging
 import random
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+import torch.optim.optimizer as optim_hooks
 import torch.utils.data as tud
 
 from .._errors import ConfigError, ResumeWarning, StateError
@@ -178,15 +180,94 @@ def _tensor_mark(t: torch.Tensor) -> Any:
     return (id(t), t._version, t.data_ptr(), value)
 
 
+# ---- an optimizer not passed to Run --------------------------------------------------------
+
+
+def _tracked_optimizers(registry: Registry) -> set[int]:
+    """ids of the tracked optimizers and of the torch optimizers they wrap (Accelerate's and
+    Lightning's wrappers keep theirs in ``.optimizer``)."""
+    out: set[int] = set()
+    for c in registry:
+        obj = c.obj
+        for _ in range(4):
+            if obj is None:
+                break
+            out.add(id(obj))
+            obj = getattr(obj, "optimizer", None)
+    return out
+
+
+def untracked_optimizer(registry: Registry, opt: torch.optim.Optimizer) -> list[str]:
+    """The tracked modules whose parameters ``opt`` updates, when ``opt`` itself is not
+    tracked (empty otherwise): its moments and step count would restart after a resume."""
+    if id(opt) in _tracked_optimizers(registry):
+        return []
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    return [
+        name
+        for name, module in registry.modules().items()
+        if any(id(p) in held for p in module.parameters())
+    ]
+
+
+# (audit, hook handle) of each watching Run; a hook must not be removed while torch iterates
+# over the hooks (from inside one), so those of closed runs are removed by the next Run.
+_watchers: list[tuple[weakref.ref[Any], Any]] = []
+
+
+def watch_optimizers(audit: Audit) -> None:
+    """Warn, at its first step, about an optimizer that updates a tracked module's parameters
+    but is not tracked itself (created after ``Run()``, or not passed): it would restart after
+    a resume and the run diverge. A global optimizer hook; it does nothing once the run is
+    closed, and is removed when the next Run starts."""
+    for ref, old in list(_watchers):
+        live = ref()
+        if live is None or live.is_closed():
+            old.remove()
+            _watchers.remove((ref, old))
+    seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+    def hook(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        live = ref()
+        if live is None or live.is_closed() or opt in seen:
+            return
+        seen.add(opt)
+        modules = untracked_optimizer(live.registry, opt)
+        if not modules:
+            return
+        warnings.warn(
+            f"an optimizer ({type(opt).__name__}) that is not tracked updates the parameters of "
+            f"{', '.join(repr(m) for m in modules)}: its state (moments, step count) is not "
+            "saved, so after a resume it starts afresh and the run diverges from an "
+            "uninterrupted one. Pass it to Run (Run(..., optimizer=opt)), creating it before "
+            "the Run",
+            ResumeWarning,
+            stacklevel=3,
+        )
+        live.record("untracked_optimizer", optimizer=type(opt).__name__, modules=modules)
+
+    ref = weakref.ref(audit)
+    _watchers.append((ref, optim_hooks.register_optimizer_step_pre_hook(hook)))
+
+
 class Audit:
     """The start-up audit of one Run: created once the Run has resumed (or started fresh).
     ``record(check, **fields)`` puts what it finds into the metrics log (as ``audit``)."""
 
-    def __init__(self, registry: Registry, *, resumed: bool, record: Callable[..., None]) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        resumed: bool,
+        record: Callable[..., None],
+        closed: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.registry, self.resumed, self.record = registry, resumed, record
+        self.is_closed = closed  # the Run's: a closed run's optimizer watch does nothing
         self._streams: dict[str, Any] | None = _streams(registry)
         self._steps_started = 0
         self._hidden: dict[str, tuple[str, Any]] | None = None
+        watch_optimizers(self)
 
     def step_started(self) -> None:
         """At each step start of ``run.loop()``: module state outside the state_dict that a

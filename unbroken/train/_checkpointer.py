@@ -26,6 +26,7 @@ from typing import Any
 
 from .. import _dist
 from ..store import AsyncSaver, CheckpointStore, Retention, WriterLock, step_name
+from ..store._lock import take_run_dir
 from ._events import Events
 from ._snapshots import Collect, Snapshots
 
@@ -55,8 +56,7 @@ class Checkpointer:
         """Take the run directory (rank 0 holds the lock for every rank), then open the
         in-memory snapshot area if the supervisor gave one."""
         if self.rank == 0:
-            os.makedirs(self.dir, exist_ok=True)
-            self.lock.acquire()
+            take_run_dir(self.lock)  # an unwritable directory: CheckpointWriteError
             try:
                 self.store.clean_stale()
             except BaseException:

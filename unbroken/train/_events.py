@@ -1,7 +1,8 @@
 """What a run tells the world: log records (``unbroken.run``), the metrics log, the user's hooks.
 
-Log records: ``resume`` (INFO), ``save`` (INFO, once durably committed), ``model_changed``
-(INFO), ``extend`` (a complete run continued; WARNING), ``stop`` (WARNING: it must be seen with
+Events: ``resume`` (INFO, and a line on stderr while logging is unconfigured: _log.announce),
+``save`` (INFO, once durably committed), ``model_changed`` (INFO),
+``extend`` (a complete run continued; WARNING), ``stop`` (WARNING: it must be seen with
 logging unconfigured, through ``logging.lastResort``), and an error closing the run. The rank
 policy is unbroken._log's: rank 0 speaks for the run.
 
@@ -18,6 +19,7 @@ W&B, a file) need not be safe for.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -75,10 +77,7 @@ class Events:
     # ---- log records and hooks -----------------------------------------------------------------
 
     def resumed(self, step: int, path: str) -> None:
-        _log.event(
-            log, logging.INFO, "unbroken: resumed %s from step %d (%s)", self.dir, step, path,
-            step=step, path=path,
-        )  # fmt: skip
+        _log.announce(log, *resume_text(self.dir, step, path), step=step, path=path)
         self.record("resume")
         if self.on_resume is not None:
             # Only a resumed launch calls it: random numbers it draws (a tracker's run id, say)
@@ -150,3 +149,9 @@ class Events:
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
+
+
+def resume_text(run_dir: str, step: int, path: str) -> tuple[Any, ...]:
+    """The resume line: which step, which checkpoint of which run directory."""
+    where = os.path.relpath(path, run_dir) if path.startswith(run_dir + os.sep) else path
+    return "unbroken: resumed %s from step %d (%s)", run_dir, step, where

@@ -116,7 +116,10 @@ class Run:
         self.resumed_from: int | None = None
         self._open()
         self._audit = Audit(
-            self.registry, resumed=self.resumed_from is not None, record=self._events.audit
+            self.registry,
+            resumed=self.resumed_from is not None,
+            record=self._events.audit,
+            closed=lambda: self._closed,
         )
         self._stepper = Stepper(self.registry, self.counters, cfg, self._audit, self._swap, self)
 

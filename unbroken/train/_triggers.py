@@ -90,8 +90,13 @@ def next_save_text(config: RunConfig, step: int, clock: Clock) -> str:
     """What a progress bar can predict: "next save in 12 steps, 4.5 min", and when the time
     limit will stop (and save) the run."""
     parts = []
+    left_in_run = None if config.max_steps is None else config.max_steps - step
+    if left_in_run is not None and left_in_run <= 0:
+        return ""  # complete: the final save is being written, no other follows
     if config.save_every:
         left = config.save_every - step % config.save_every
+        if left_in_run is not None and config.save_final:
+            left = min(left, left_in_run)  # the final save comes first
         parts.append(f"{left} step{'' if left == 1 else 's'}")
     if config.save_every_minutes is not None:
         minutes = config.save_every_minutes * 60 - (clock.now - clock.last_save)

@@ -203,6 +203,11 @@ UNTRACKED_PARAM = (
     "them from their initial values. Pass the module that owns them to Run, or hold them in a "
     "module you pass (torch.nn.ParameterDict); Run warned about it at start-up."
 )
+UNTRACKED_OPTIMIZER = (
+    "An untracked optimizer: {optimizer} updates {modules} but is not passed to Run (Run "
+    "warned about it at its first step), so its moments and step count start afresh after a "
+    "relaunch. Create it before the Run and pass it: Run(..., optimizer=opt)."
+)
 RNG_AFTER_RUN = (
     "Random draws between Run() and the loop: {streams} advanced after Run() had restored the "
     "streams (Run warned about it with a ResumeWarning), so a resumed run draws at other "
@@ -259,7 +264,12 @@ def hints_for(cmp: Comparison, resumed_from: list[int]) -> list[str]:
     at_first = [d for d in state if d.step == state[0].step] if state else []
     kind = {d.component: cmp.kinds.get(d.component.split("@")[0], "stateful") for d in state}
     for event in cmp.audit:
-        if event.get("check") == "rng_after_run":
+        if event.get("check") == "untracked_optimizer":
+            modules = ", ".join(repr(m) for m in event.get("modules", []))
+            hints.append(
+                UNTRACKED_OPTIMIZER.format(optimizer=event.get("optimizer"), modules=modules)
+            )
+        elif event.get("check") == "rng_after_run":
             hints.append(RNG_AFTER_RUN.format(streams=" and ".join(event.get("streams", []))))
         elif event.get("check") == "hidden_state":
             hints.append(HIDDEN_STATE.format(names=", ".join(event.get("names", []))))
