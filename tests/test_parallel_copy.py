@@ -18,15 +18,7 @@ import xxhash
 
 from tests._store_helpers import assert_same, make_registry, restore, snapshot, train
 from unbroken import CorruptCheckpointError
-from unbroken.store import (
-    AsyncSaver,
-    CheckpointReader,
-    CheckpointStore,
-    _format,
-    _par,
-    _storage,
-    _table,
-)
+from unbroken.store import AsyncSaver, CheckpointReader, CheckpointStore, _format, _par, _storage
 from unbroken.store._format import Chunk
 from unbroken.store._manifest import dumps
 from unbroken.store._snapshot import SnapshotArea
@@ -97,7 +89,7 @@ def test_a_bad_chunk_is_named_by_the_threaded_load(tmp_path, threaded):
     store = CheckpointStore(str(tmp_path / "run"))
     path = store.save(1, reg.collect(), {"epoch": 0})
     reader = CheckpointReader(path)
-    table = _table.read_table(path, {n: r["size"] for n, r in reader.manifest["files"].items()})
+    table = _storage.read_table(path, {n: r["size"] for n, r in reader.manifest["files"].items()})
     victim = max(table.values(), key=lambda e: e.chunks[0].nbytes).chunks[0]
     with open(os.path.join(path, victim.file), "r+b") as f:
         f.seek(victim.offset + victim.nbytes // 2)
