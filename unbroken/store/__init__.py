@@ -4,6 +4,7 @@ from ._async import AsyncSaver
 from ._layout import checkpoints_dir, scan, step_name
 from ._lock import WriterLock
 from ._reader import CheckpointReader
+from ._remote import RemoteStore
 from ._storage import TensorReader, TensorWriter
 from ._store import CheckpointStore, Listing, Retention
 
@@ -12,6 +13,7 @@ __all__ = [
     "CheckpointReader",
     "CheckpointStore",
     "Listing",
+    "RemoteStore",
     "Retention",
     "TensorReader",
     "TensorWriter",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import _dist, _log
 from .._errors import ConfigError, CorruptCheckpointError, StateError
@@ -21,6 +21,9 @@ from ..store._manifest import rank_file
 from ._config import RunConfig
 from ._metrics import METRICS_FILE
 from ._tree_peek import saved_stage
+
+if TYPE_CHECKING:
+    from ..store._tier import RemoteTier
 
 log = _log.get("run")
 
@@ -48,7 +51,21 @@ def _pick(run: Any, one_pass: bool = True) -> int | None:
     # pass over the disk); rank 0 of several verifies everything first, since the other ranks
     # load what it chose.
     data = not (one_pass and run.world_size == 1)
-    return pick_step(run.store, run.config, os.path.join(run.dir, METRICS_FILE), data)
+    metrics = os.path.join(run.dir, METRICS_FILE)
+    return pick_step(run.store, run.config, metrics, data, remote=remote_tier(run))
+
+
+def remote_tier(run: Any) -> RemoteTier | None:
+    """Rank 0's remote tier (made, and the store reached, on first use), if ``remote=``."""
+    if run.config.remote is None or run.rank != 0:
+        return None
+    if run._remote is None:
+        from ..store import Retention
+        from ..store._tier import RemoteTier
+
+        keep = Retention(run.config.remote_keep_last, run.config.keep_every)
+        run._remote = RemoteTier(run.config.remote, run.dir, run.store, keep)
+    return run._remote
 
 
 def restore_or_fall_back(run: Any, reader: CheckpointReader) -> None:
@@ -79,12 +96,19 @@ def restore_or_fall_back(run: Any, reader: CheckpointReader) -> None:
 
 
 def pick_step(
-    store: CheckpointStore, config: RunConfig, metrics_path: str, data: bool = True
+    store: CheckpointStore,
+    config: RunConfig,
+    metrics_path: str,
+    data: bool = True,
+    remote: RemoteTier | None = None,
 ) -> int | None:
     """The step to resume from (None: a fresh start); rank 0 only, holding the lock.
-    ``data=False``: format-2 data files are verified by the load instead (one pass)."""
+    ``data=False``: format-2 data files are verified by the load instead (one pass).
+    ``remote``: the newest step that verifies in either tier (store/_tier.py)."""
     want = config.resume
     if config.start_over:
+        if remote is not None:
+            remote.refuse_fresh_start(start_over=True)
         store.abandon(extra=[metrics_path])
         return None
     if want is False:
@@ -93,7 +117,11 @@ def pick_step(
                 f"resume=False but {store.root} already holds checkpoints; use another run "
                 "directory, resume=True, or start_over=True (moves them aside)"
             )
+        if remote is not None:
+            remote.refuse_fresh_start(start_over=False)
         return None
+    if remote is not None:
+        return remote.resume_step(want, checksums=config.verify_checksums, data=data)
     if want is True:
         # Raises when checkpoints exist and none loads: never a fresh start over them.
         latest = store.latest(checksums=config.verify_checksums, data=data)

@@ -39,6 +39,15 @@ class RunConfig:
     ``UNBROKEN_KEEP_ALL=1`` overrides it with None (``unbroken verify`` sets it)."""
     keep_every: int | None = None
     """Also keep checkpoints whose step is a multiple of this."""
+    remote: str | None = None
+    """An object store URL (``s3://bucket/prefix``) every checkpoint is uploaded to in the
+    background after it commits locally; a start resumes from the newest checkpoint that
+    verifies in either tier (an empty run directory from the remote one). Needs
+    ``unbroken[s3]``; credentials and endpoint from the standard ``AWS_*`` variables and
+    files. See docs/remote.md."""
+    remote_keep_last: int | None = 3
+    """Keep the newest N checkpoints in ``remote`` (None keeps all); ``keep_every`` applies
+    too. ``UNBROKEN_KEEP_ALL=1`` overrides it with None."""
     max_steps: int | None = None
     """Training is complete after this many optimizer steps."""
     resume: bool | int = True
@@ -100,7 +109,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
-        for name in ("save_every", "keep_last", "keep_every", "max_steps"):
+        for name in ("save_every", "keep_last", "keep_every", "max_steps", "remote_keep_last"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
@@ -117,6 +126,11 @@ class RunConfig:
         if os.environ.get("UNBROKEN_KEEP_ALL") == "1":
             # Set by `unbroken verify`, which compares the runs at every checkpoint step.
             self.keep_last = None
+            self.remote_keep_last = None
+        if self.remote is not None:
+            from ..store._s3 import parse_url
+
+            parse_url(self.remote)  # a malformed URL fails here, before anything runs
         self.allow_missing = tuple(self.allow_missing)
         self.allow_unexpected = tuple(self.allow_unexpected)
         every = self.snapshot_every
@@ -145,6 +159,8 @@ _KINDS = {
     "time_margin": "real",
     "keep_last": "int?",
     "keep_every": "int?",
+    "remote": "str?",
+    "remote_keep_last": "int?",
     "max_steps": "int?",
     "resume": "resume",
     "start_over": "bool",
@@ -176,6 +192,7 @@ _EXPECTED = {
     "real": "a number",
     "bool": "a bool",
     "bool?": "a bool or None",
+    "str?": "a string or None",
     "duration?": "seconds (a number), a '[D-]HH:MM:SS' string, or None",
     "resume": "True, False or a step number (int)",
     "names": "a list or tuple of component names (str)",
@@ -194,6 +211,7 @@ def _fits(kind: str, v: Any) -> bool:
         "real": is_real,
         "bool": isinstance(v, bool),
         "bool?": isinstance(v, bool),
+        "str?": isinstance(v, str),
         "duration?": is_real or isinstance(v, str),
         "resume": isinstance(v, bool) or is_int,
         "names": isinstance(v, (list, tuple, set, frozenset))

@@ -92,6 +92,7 @@ class Run:
             self.dir, Retention(self.config.keep_last, self.config.keep_every)
         )
         self._lock = WriterLock(self.dir)
+        self._remote: Any = None  # rank 0's RemoteTier with remote= (made by _choose)
         self._stop = StopRequest()
         self._metrics: MetricsLog | None = None
         self._progress: Progress | None = None
@@ -390,6 +391,8 @@ class Run:
             c.metrics_offset = self._metrics.offset()  # fsynced: on disk before the commit
         payload = self.registry.collect(self.rank)
         meta = {"epoch": c.epoch, "samples": c.samples, "stage": c.stage}
+        if self._metrics is not None:
+            meta["metrics_bytes"] = c.metrics_offset  # the log that travels with it (remote=)
         path = self._path(c.step)
         with self._stop.saving():  # a second Ctrl-C waits until this save committed
             if self._async is not None and not blocking:
@@ -417,7 +420,11 @@ class Run:
 
     def _retain(self, step: int) -> None:
         if self.rank == 0:
-            self.store.apply_retention(step)
+            if self._remote is not None:
+                # Uploaded in the background; local retention keeps it until it is.
+                self._remote.after_commit(step)
+            else:
+                self.store.apply_retention(step)
 
     def _committed_in_background(self, step: int) -> None:
         self._retain(step)
@@ -440,6 +447,8 @@ class Run:
         c.complete = True
         self.wait()
         self.close()
+        if self._remote is not None:
+            self._remote.wait_durable()  # exit 0 only once the store has it, else an error
         if self._stop.deferred is not None and self.config.exit_on_stop:
             self._halt("a second Ctrl-C, deferred until the final save committed")
 
@@ -461,6 +470,8 @@ class Run:
         try:
             # The lock is released only after a save in flight committed (or failed).
             self.wait()
+            if self._remote is not None:
+                self._remote.close()  # and the upload in flight ended (a failure is logged)
         finally:
             self._release()
 

@@ -88,6 +88,8 @@ class Snapshots:
             "run_dir": run.dir,
             "snapshot": True,
         }
+        if run._metrics is not None:
+            meta["metrics_bytes"] = c.metrics_offset
         assert self.area is not None
         self.area.save(step, payload, meta)
 
