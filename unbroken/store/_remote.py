@@ -32,7 +32,13 @@ from typing import Any
 import xxhash
 
 from .. import _log
-from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    RemoteStoreError,
+    UnsafeCheckpointError,
+)
 from .._logfile import METRICS_FILE
 from . import _fsops, _layout, _manifest, _s3, _safeio
 from ._reader import CheckpointReader
@@ -41,6 +47,9 @@ from ._store import Listing, Retention
 
 log = _log.get("store")
 Scan = dict[int, dict[str, tuple[int, float]]]
+UNUSABLE = (CorruptCheckpointError, UnsafeCheckpointError)
+"""What makes a remote checkpoint unusable (skipped, reported); a RemoteStoreError (the store
+cannot be read) is never taken for one."""
 
 
 class RemoteStore:
@@ -97,6 +106,8 @@ class RemoteStore:
                 r = self.reader(step, files)
                 r.verify(checksums=checksums)
                 size = r.size_bytes()
+            except RemoteStoreError:
+                raise
             except CheckpointError as e:
                 valid, reason = False, str(e)
             mtime = files[_manifest.MANIFEST][1]
@@ -120,7 +131,7 @@ class RemoteStore:
                 r = self.reader(step, scan[step])
                 r.verify(checksums=checksums)
                 return r
-            except CorruptCheckpointError as e:
+            except UNUSABLE as e:
                 failures.append(f"  {self.objects.where(self._folder(step))}: {e}")
                 _log.event(
                     log,
@@ -170,7 +181,7 @@ class RemoteStore:
             try:
                 self.reader(step, existing).verify(checksums=False)
                 return False
-            except CorruptCheckpointError:
+            except UNUSABLE:
                 # Not a checkpoint (a damaged manifest): take its commit away before writing.
                 self.objects.delete([f"{folder}/{_manifest.MANIFEST}"])
         manifest = dict(reader.manifest)
@@ -281,7 +292,7 @@ class RemoteStore:
             try:
                 self.reader(step, scan[step]).verify(checksums=False)
                 complete.append(step)
-            except CorruptCheckpointError:
+            except UNUSABLE:
                 pass  # not ours to delete: shown by `unbroken ls`
         if newest not in complete:
             return []

@@ -315,12 +315,21 @@ def _endpoint_of(client: Any) -> str:
     return str(client.meta.endpoint_url) if client is not None else "?"
 
 
+_loader: Any = None
+
+
 def _make_client() -> Any:
     boto3, _ = _boto()
     from botocore.config import Config
     from botocore.session import get_session
 
-    session = get_session()
+    session = get_session()  # a fresh one: credentials from the environment as it is now
+    # The service description (a large JSON) is parsed once per process, not once per client.
+    global _loader
+    if _loader is None:
+        _loader = session.get_component("data_loader")
+    else:
+        session.register_component("data_loader", _loader)
     mode = session.get_config_variable("retry_mode") or "standard"
     attempts = session.get_config_variable("max_attempts") or 5
     config = Config(

@@ -28,7 +28,7 @@ from .. import _log
 from .._errors import CheckpointError, ConfigError, CorruptCheckpointError, RemoteStoreError
 from .._logfile import METRICS_FILE
 from . import _layout
-from ._remote import RemoteStore
+from ._remote import UNUSABLE, RemoteStore
 from ._store import CheckpointStore, Retention
 
 log = _log.get("store")
@@ -103,7 +103,7 @@ class RemoteTier:
             t0 = time.perf_counter()
             try:
                 self.remote.fetch(remote.step, self.run_dir)
-            except CorruptCheckpointError as e:
+            except UNUSABLE as e:
                 _log.event(
                     log,
                     logging.WARNING,
@@ -136,6 +136,8 @@ class RemoteTier:
         except CheckpointError as local_error:
             try:
                 self.remote.open(step)
+            except RemoteStoreError:
+                raise
             except CheckpointError:
                 raise local_error from None
             self.remote.fetch(step, self.run_dir)
