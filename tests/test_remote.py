@@ -240,7 +240,7 @@ def test_start_over_moves_the_remote_checkpoints_aside(s3, tmp_path):
     run, _ = train(tmp_path / "run2", s3.url, steps=1, save_every=1, start_over=True)
     assert run.resumed_from is None
     assert remote_steps(s3.url) == [1]
-    moved = [k for k in RemoteStore(s3.url).objects.list("") if k.startswith("superseded-")]
+    moved = [k for k in RemoteStore(s3.url).objects.list_under("") if k.startswith("superseded-")]
     assert any(k.endswith("step-000000002/manifest.json") for k in moved)
 
 

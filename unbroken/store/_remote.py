@@ -22,7 +22,6 @@ reach across machines).
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import time
@@ -70,7 +69,7 @@ class RemoteStore:
     def scan(self) -> Scan:
         """{step: {file name: (size, mtime)}} of every checkpoint folder, complete or not."""
         out: Scan = {}
-        for name, rec in self.objects.list(_layout.CHECKPOINTS + "/").items():
+        for name, rec in self.objects.list_under(_layout.CHECKPOINTS + "/").items():
             folder, _, file = name[len(_layout.CHECKPOINTS) + 1 :].partition("/")
             step = _layout.parse_step(folder)
             if step is not None and file and "/" not in file:
@@ -83,7 +82,7 @@ class RemoteStore:
     def scan_step(self, step: int) -> dict[str, tuple[int, float]]:
         """{file name: (size, mtime)} of one checkpoint folder."""
         folder = self._folder(step) + "/"
-        listed = self.objects.list(folder).items()
+        listed = self.objects.list_under(folder).items()
         return {n[len(folder) :]: r for n, r in listed if "/" not in n[len(folder) :]}
 
     def reader(self, step: int, files: dict[str, tuple[int, float]]) -> RemoteReader:
@@ -176,8 +175,9 @@ class RemoteStore:
         if reader.format_version != _manifest.FORMAT_VERSION:
             raise CorruptCheckpointError(f"{local} is format 1; only format 2 is uploaded")
         step, folder = reader.step, self._folder(reader.step)
-        existing = self.scan_step(step)
-        if _manifest.MANIFEST in existing:
+        existing: dict[str, tuple[int, float]] = {}
+        if self.objects.size(f"{folder}/{_manifest.MANIFEST}") is not None:
+            existing = self.scan_step(step)
             try:
                 self.reader(step, existing).verify(checksums=False)
                 return False
@@ -186,29 +186,20 @@ class RemoteStore:
                 self.objects.delete([f"{folder}/{_manifest.MANIFEST}"])
         manifest = dict(reader.manifest)
         files = dict(manifest["files"])
-        items: list[tuple[str, Any]] = [
-            (f"{folder}/{n}", os.path.join(local, n)) for n in sorted(files)
-        ]
+        items = [(f"{folder}/{n}", os.path.join(local, n), files[n]["size"]) for n in sorted(files)]
+
         if metrics_log is not None and METRICS_FILE not in files:
             n = _metrics_bytes(reader.meta, metrics_log)
             if n is not None:
                 files[METRICS_FILE] = {"size": n, "xxh3_64": _hash_prefix(metrics_log, n)}
-                items.append((f"{folder}/{METRICS_FILE}", _Prefix(metrics_log, n)))
+                items.append((f"{folder}/{METRICS_FILE}", metrics_log, n))
         manifest["files"] = dict(sorted(files.items()))
         manifest[_manifest.SELF_CHECKSUM] = _manifest.self_checksum(manifest)
-        try:
-            for key, _ in items:
-                _fsops.event("upload", key)
-            self.objects.upload(items)
-        finally:
-            for _, src in items:
-                if isinstance(src, _Prefix):
-                    src.close()
+        for key, _, _ in items:
+            _fsops.event("upload", key)
+        self.objects.upload(items)
         _fsops.event("upload-commit", folder)
         self.objects.put_bytes(f"{folder}/{_manifest.MANIFEST}", _manifest.dumps(manifest))
-        stale = set(existing) - set(files) - {_manifest.MANIFEST}
-        if stale:  # left by an earlier, killed upload of this step with other files
-            self.objects.delete(f"{folder}/{n}" for n in sorted(stale))
         return True
 
     # ---- downloading --------------------------------------------------------------------------
@@ -290,10 +281,14 @@ class RemoteStore:
             if step > newest:
                 continue
             try:
-                self.reader(step, scan[step]).verify(checksums=False)
+                reader = self.reader(step, scan[step])
+                reader.verify(checksums=False)
                 complete.append(step)
             except UNUSABLE:
-                pass  # not ours to delete: shown by `unbroken ls`
+                continue  # not ours to delete: shown by `unbroken ls`
+            if step == newest:  # objects an earlier, killed upload of this step left
+                stale = set(scan[step]) - set(reader.manifest["files"]) - {_manifest.MANIFEST}
+                self.objects.delete(f"{self._folder(step)}/{n}" for n in sorted(stale))
         if newest not in complete:
             return []
         r = self.retention
@@ -370,45 +365,11 @@ def _metrics_bytes(meta: dict[str, Any], path: str) -> int | None:
 
 def _hash_prefix(path: str, n: int) -> str:
     h = xxhash.xxh3_64()
-    with _Prefix(path, n) as f:
-        while chunk := f.read(1 << 20):
+    with open(path, "rb") as f:
+        while n > 0 and (chunk := f.read(min(n, 1 << 20))):
             h.update(chunk)
+            n -= len(chunk)
     return h.hexdigest()
-
-
-class _Prefix(io.RawIOBase):
-    """The first ``n`` bytes of a file, as a seekable read-only file (the log grows behind)."""
-
-    def __init__(self, path: str, n: int) -> None:
-        self._f = open(path, "rb", buffering=0)
-        self.n, self.pos = n, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        want = min(len(b), self.n - self.pos)
-        if want <= 0:
-            return 0
-        got = os.preadv(self._f.fileno(), [memoryview(b)[:want]], self.pos)
-        self.pos += got
-        return got
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.n}[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def close(self) -> None:
-        if not self.closed:
-            self._f.close()
-        super().close()
 
 
 def _install_log(src: str, dst: str) -> None:
