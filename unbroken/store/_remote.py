@@ -226,6 +226,9 @@ class RemoteStore:
             _fsops.fsync_file(os.path.join(tmp, _manifest.MANIFEST))
             _fsops.fsync_dir(tmp)
             CheckpointReader(tmp).verify(checksums=True)  # every byte, before it is trusted
+            if METRICS_FILE in remote.manifest["files"]:
+                # Before the commit: a kill in between leaves no checkpoint without its log.
+                _install_log(os.path.join(tmp, METRICS_FILE), os.path.join(run_dir, METRICS_FILE))
             if os.path.lexists(final):
                 aside = os.path.join(root, f"unusable-{_layout.step_name(step)}-{int(time.time())}")
                 os.rename(final, aside)
@@ -235,8 +238,6 @@ class RemoteStore:
             if os.path.isdir(tmp):
                 _fsops.rmtree(tmp)
             raise
-        if METRICS_FILE in remote.manifest["files"]:
-            _install_log(os.path.join(final, METRICS_FILE), os.path.join(run_dir, METRICS_FILE))
         return final
 
     def _download(self, remote: RemoteReader, tmp: str) -> None:

@@ -29,8 +29,9 @@ from typing import Any
 from .._errors import ConfigError, RemoteStoreError
 
 SCHEME = "s3://"
-PART_BYTES = 16 << 20
-"""Multipart upload part size, and the size of each ranged GET of a large object."""
+PART_BYTES = 8 << 20
+"""Multipart upload part size, and the size of each ranged GET of a large object (8 MiB, as
+s3transfer's default and AWS's guidance: enough requests to fill :data:`THREADS`)."""
 THREADS = 8
 """Requests in flight at once (uploads and ranged GETs): a single HTTP stream is latency-bound."""
 STREAM_ATTEMPTS = 4
