@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -264,3 +265,12 @@ def test_retention_keeps_the_newest_complete_when_newer_uploads_are_partial(s3, 
     assert store.apply_retention(9) == []
     assert remote_steps(s3.url) == [2]
     assert store.latest().step == 2
+
+
+def test_a_killed_multipart_upload_is_aborted_at_the_next_start(s3, tmp_path):
+    c = RemoteStore(s3.url).objects.client()
+    c.create_multipart_upload(Bucket=s3.bucket, Key="run/checkpoints/step-000000005/x.bin")
+    assert c.list_multipart_uploads(Bucket=s3.bucket).get("Uploads")
+    time.sleep(1.1)  # begun before this start, at the store's clock resolution
+    train(tmp_path / "run", s3.url, steps=1, save_every=1)
+    assert not c.list_multipart_uploads(Bucket=s3.bucket).get("Uploads")

@@ -9,10 +9,11 @@ metadata) is not read from object stores at all.
 
 Loading reads straight into the live tensors: each chunk's bytes are fetched by ranged GETs
 into the tensor's own memory, :data:`_s3.THREADS` requests at a time, and hashed as soon as the
-chunk is complete. Small neighbouring chunks share one GET (a request costs more than a few KiB);
-a large chunk is split into :data:`_s3.PART_BYTES` ranges fetched in parallel. Memory beyond the
-targets: a buffer per request in flight, plus one chunk where a target cannot take the bytes as
-they are (another dtype, a device, a slice of a larger tensor).
+chunk is complete. Neighbouring chunks up to :data:`_s3.PART_BYTES` share one GET, its body
+streamed into each chunk's tensor in turn (a request costs more than a few KiB); a larger chunk
+is split into ranges fetched in parallel. Memory beyond the targets: the gaps between grouped
+chunks (alignment: < 64 bytes each; never more than a group's span), plus one chunk where a target cannot take the bytes as they are (another dtype, a
+device, a slice of a larger tensor).
 """
 
 from __future__ import annotations
@@ -248,14 +249,18 @@ class _RemoteLoad:
         return tasks
 
     def _group(self, key: str, group: list[_Slot]) -> None:
-        start = group[0].chunk.offset
-        end = group[-1].chunk.offset + group[-1].chunk.nbytes
-        buf = bytearray(end - start)
-        self.reader.objects.get_into(key, start, memoryview(buf))
+        """One GET for neighbouring chunks, streamed into each chunk's memory in file order;
+        the alignment gaps between them go to a scratch buffer."""
+        views: list[memoryview] = []
+        pos = group[0].chunk.offset
         for s in group:
-            at = s.chunk.offset - start
-            mem = s.memory()
-            mem[:] = memoryview(buf)[at : at + s.chunk.nbytes]
+            gap = s.chunk.offset - pos
+            if gap:
+                views.append(memoryview(bytearray(gap)))
+            views.append(s.memory())
+            pos = s.chunk.offset + s.chunk.nbytes
+        self.reader.objects.get_into_many(key, group[0].chunk.offset, views)
+        for s in group:
             self._done(s)
 
     def _piece(self, key: str, s: _Slot, at: int) -> None:

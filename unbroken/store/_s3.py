@@ -153,7 +153,12 @@ class S3Objects:
 
     def get_into(self, name: str, offset: int, view: memoryview) -> None:
         """Fill ``view`` with bytes [offset, offset + len(view)) of the object."""
-        want = len(view)
+        self.get_into_many(name, offset, [view])
+
+    def get_into_many(self, name: str, offset: int, views: list[memoryview]) -> None:
+        """One ranged GET from ``offset``, its bytes streamed into each of ``views`` in turn
+        (a scatter read: neighbouring chunks land in their own tensors, gaps in a scratch)."""
+        want = sum(len(v) for v in views)
         if not want:
             return
         for attempt in range(STREAM_ATTEMPTS):
@@ -172,12 +177,13 @@ class S3Objects:
                         "manifest says, or the store ignores ranges)",
                         path=self.where(name),
                     )
-                got = 0
-                while got < want:
-                    n = body.readinto(view[got:])
-                    if not n:
-                        raise _cut(got, want)
-                    got += n
+                for view in views:
+                    got = 0
+                    while got < len(view):
+                        n = body.readinto(view[got:])
+                        if not n:
+                            raise _cut(got, len(view))
+                        got += n
                 return
             except RemoteStoreError:
                 raise
