@@ -12,8 +12,8 @@ into the tensor's own memory, :data:`_s3.THREADS` requests at a time, and hashed
 chunk is complete. Neighbouring chunks up to :data:`_s3.PART_BYTES` share one GET, its body
 streamed into each chunk's tensor in turn (a request costs more than a few KiB); a larger chunk
 is split into ranges fetched in parallel. Memory beyond the targets: the gaps between grouped
-chunks (alignment: < 64 bytes each; never more than a group's span), plus one chunk where a target cannot take the bytes as they are (another dtype, a
-device, a slice of a larger tensor).
+chunks (alignment: < 64 bytes each; never more than a group's span), plus one chunk where a
+target cannot take the bytes as they are (another dtype, a device, a slice of a larger tensor).
 """
 
 from __future__ import annotations
