@@ -111,6 +111,12 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--remote",
+        metavar="URL",
+        help="also keep every checkpoint in an object store (s3://bucket/prefix, needs "
+        "unbroken[s3]); a relaunch with an empty --run-dir resumes from there",
+    )
+    p.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (1 is fastest on 2 cores)"
     )
     p.add_argument("--no-amp", action="store_true", help="disable bf16 autocast + GradScaler")
@@ -165,6 +171,7 @@ def main() -> int:
         **tracked,
         save_every=a.save_every,
         max_steps=a.steps,
+        remote=a.remote,  # unbroken: None keeps checkpoints in --run-dir only
     )
 
     model.train()

@@ -135,6 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--save-every", type=int, default=25)
+    p.add_argument("--remote", metavar="URL", help="also keep checkpoints in s3://bucket/prefix")
     p.add_argument("--max-tokens", type=int, default=1200, help="padded tokens per batch")
     p.add_argument("--window", type=int, default=512, help="samples sorted together")
     p.add_argument("--lines", type=int, default=None, help="use only the first N lines")
@@ -198,6 +199,7 @@ def main() -> int:
         ema=ema,
         loader=loader,
         save_every=a.save_every,
+        remote=a.remote,  # unbroken: an object store tier (docs/remote.md)
         max_steps=a.steps,
     )
     if a.signal_at == 0:

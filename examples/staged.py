@@ -100,6 +100,7 @@ def main() -> int:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--remote", metavar="URL", help="also keep checkpoints in s3://bucket/prefix")
     p.add_argument("--samples", type=int, default=512)
     p.add_argument("--grow-epoch", type=int, default=2)
     p.add_argument("--widen-step", type=int, default=70)
@@ -146,6 +147,7 @@ def main() -> int:
         model_factory=build_model,
         stage=stage0,
         save_every=a.save_every,
+        remote=a.remote,  # unbroken: an object store tier (docs/remote.md)
         max_steps=a.steps,
     )
     samples: list[int] = []

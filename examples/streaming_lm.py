@@ -161,6 +161,7 @@ def main() -> int:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--save-every", type=int, default=25)
+    p.add_argument("--remote", metavar="URL", help="also keep checkpoints in s3://bucket/prefix")
     p.add_argument("--batch-size", type=int, default=24, help="global (all ranks together)")
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--num-workers", type=int, default=2)
@@ -194,6 +195,7 @@ def main() -> int:
         scheduler=sched,
         loader=loader,
         save_every=a.save_every,
+        remote=a.remote,  # unbroken: an object store tier (docs/remote.md)
         max_steps=a.steps,
     )
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._s3server import s3, s3_backend  # noqa: F401  (the S3 server fixtures)
 from tests.golden import launch
 
 TOY = Path(__file__).parent / "scripts" / "toy_train.py"

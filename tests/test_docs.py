@@ -54,11 +54,18 @@ def _quickstart() -> str:
 
 
 @pytest.mark.parametrize("code", BLOCKS)
-def test_block_runs(code: str, tmp_path: Path) -> None:
+def test_block_runs(code: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    env = ENV
+    if "s3://my-bucket" in code:  # docs/remote.md: against the tests' S3 server
+        request.getfixturevalue("s3")
+        from tests._s3server import make_bucket
+
+        make_bucket("my-bucket")
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the fixture's AWS_* variables
     proc = subprocess.run(
         [sys.executable, "-c", code],
         cwd=tmp_path,
-        env=ENV,
+        env=env,
         capture_output=True,
         text=True,
         timeout=120,

@@ -13,7 +13,8 @@ to which path or component, and what to do next::
         ├── CheckpointNotFoundError          no (valid) checkpoint where one was required
         ├── CorruptCheckpointError           size, checksum, file set or manifest is wrong
         ├── UnsafeCheckpointError            a file would execute code or escapes the directory
-        └── CheckpointWriteError             a write failed (ENOSPC, EIO, EACCES, EROFS, ...)
+        ├── CheckpointWriteError             a write failed (ENOSPC, EIO, EACCES, EROFS, ...)
+        └── RemoteStoreError                 an object store refused or could not be reached
 
     ResumeWarning (a UserWarning)            the script would resume inexactly, as written
 
@@ -102,6 +103,12 @@ class UnsafeCheckpointError(CheckpointError):
 class CheckpointWriteError(CheckpointError):
     """Writing a checkpoint (or the run's lock or metrics log) failed; the previous checkpoint
     is intact."""
+
+
+class RemoteStoreError(CheckpointError):
+    """An object store (``s3://...``) could not be reached or refused a request: wrong
+    credentials, a missing bucket, an unreachable endpoint, retries exhausted. The message names
+    the URL, the endpoint and the cause; ``path`` is the URL concerned."""
 
 
 def root_oserror(exc: BaseException | None) -> OSError | None:

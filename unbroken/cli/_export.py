@@ -63,7 +63,9 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or default
     meta = {
         "format": "pt",  # what transformers' loaders expect
-        "unbroken_checkpoint": os.path.abspath(reader.path),
+        "unbroken_checkpoint": reader.path
+        if "://" in reader.path
+        else os.path.abspath(reader.path),
         "unbroken_step": str(reader.step),
         "unbroken_component": component + (".shadow" if args.ema else ""),
     }

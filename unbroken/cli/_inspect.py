@@ -22,7 +22,7 @@ from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoin
 from .._exit import EXIT_NO_CHECKPOINT, EXIT_OK, EXIT_USAGE
 
 if TYPE_CHECKING:  # imported where used: `unbroken --help` must not import torch
-    from ..store import CheckpointReader, CheckpointStore
+    from ..store import CheckpointReader
 
 LS_EPILOG = """exit codes: 0 at least one valid checkpoint, 3 none (or no run directory)
 
@@ -46,7 +46,7 @@ def register(subparsers: Any) -> None:
         epilog=LS_EPILOG,
         formatter_class=raw,
     )
-    p.add_argument("run_dir", metavar="RUN", help="the run directory")
+    p.add_argument("run_dir", metavar="RUN", help="the run directory, or its s3://bucket/prefix")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object a row")
     p.add_argument(
         "--no-verify", action="store_true", help="check file sizes only, not checksums (faster)"
@@ -61,7 +61,9 @@ def register(subparsers: Any) -> None:
         epilog=INSPECT_EPILOG,
         formatter_class=raw,
     )
-    p.add_argument("path", metavar="CKPT_OR_RUN", help="a checkpoint or run directory")
+    p.add_argument(
+        "path", metavar="CKPT_OR_RUN", help="a checkpoint or run directory (or s3:// URL)"
+    )
     p.add_argument(
         "--step", type=int, metavar="N", help="in a run directory: the checkpoint of step N"
     )
@@ -77,6 +79,7 @@ def register(subparsers: Any) -> None:
 
 def ls(args: argparse.Namespace) -> int:
     store = _run_store(args.run_dir)
+    remote = _is_url(args.run_dir)
     now = time.time()
     rows = []
     latest_seen = False
@@ -90,7 +93,7 @@ def ls(args: argparse.Namespace) -> int:
                 "valid": item.valid,
                 "reason": item.reason,
                 "latest": is_latest,
-                "size_bytes": _disk_size(item.path),
+                "size_bytes": item.size if remote else _disk_size(item.path),
                 "mtime": item.mtime,
                 "saved_at_unix": item.saved_at,
                 # From the commit time the manifest records: pinning changes the mtime.
@@ -109,15 +112,23 @@ def ls(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _run_store(run_dir: str) -> CheckpointStore:
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+def _run_store(run_dir: str) -> Any:
     from ..store import CheckpointStore
 
+    if _is_url(run_dir):  # s3://bucket/prefix: the run's remote tier
+        from ..store._remote import RemoteStore
+
+        return RemoteStore(run_dir)
     if not os.path.isdir(run_dir):
         raise CheckpointNotFoundError(f"{run_dir} is not a directory")
     return CheckpointStore(run_dir)
 
 
-def _print_ls(store: CheckpointStore, rows: list[dict[str, Any]]) -> None:
+def _print_ls(store: Any, rows: list[dict[str, Any]]) -> None:
     if not rows:
         print(f"no checkpoints in {store.root}")
         return
@@ -237,6 +248,8 @@ def _open(path: str, step: int | None, *, checksums: bool) -> CheckpointReader:
     from ..store import CheckpointReader, CheckpointStore, _layout
     from ..store._manifest import MANIFEST
 
+    if _is_url(path):
+        return _open_remote(path, step, checksums=checksums)
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(f"{path} is not a directory")
     name = os.path.basename(os.path.normpath(path))
@@ -271,6 +284,27 @@ def _open(path: str, step: int | None, *, checksums: bool) -> CheckpointReader:
             f"no valid checkpoint in {store.root}: none of its checkpoints can be read (each "
             "is named above, with why); nothing was changed"
         )
+    if found is None:
+        raise CheckpointNotFoundError(f"no valid checkpoint in {store.root}")
+    return found
+
+
+def _open_remote(url: str, step: int | None, *, checksums: bool) -> CheckpointReader:
+    """``s3://bucket/prefix`` (a run's remote tier: its newest valid checkpoint, or that of
+    ``step``) or ``s3://bucket/prefix/checkpoints/step-N`` (that checkpoint)."""
+    from ..store import _layout
+    from ..store._remote import RemoteStore
+
+    head, _, name = url.rstrip("/").rpartition("/")
+    named = _layout.parse_step(name)
+    if named is not None and head.endswith("/" + _layout.CHECKPOINTS):
+        if step is not None:
+            raise _UsageError(f"--step applies to a run; {url} is one checkpoint")
+        return RemoteStore(head[: -len(_layout.CHECKPOINTS) - 1]).open(named, checksums=checksums)
+    store = RemoteStore(url)
+    if step is not None:
+        return store.open(step, checksums=checksums)
+    found = store.latest(checksums=checksums)
     if found is None:
         raise CheckpointNotFoundError(f"no valid checkpoint in {store.root}")
     return found

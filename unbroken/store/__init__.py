@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from ._layout import checkpoints_dir, scan, step_name
     from ._lock import WriterLock
     from ._reader import CheckpointReader
+    from ._remote import RemoteStore
     from ._storage import TensorReader, TensorWriter
     from ._store import CheckpointStore, Listing, Retention
 
@@ -22,6 +23,7 @@ _LAZY = {
     "CheckpointReader": "._reader",
     "CheckpointStore": "._store",
     "Listing": "._store",
+    "RemoteStore": "._remote",
     "Retention": "._store",
     "TensorReader": "._storage",
     "TensorWriter": "._storage",
@@ -36,6 +38,7 @@ __all__ = [
     "CheckpointReader",
     "CheckpointStore",
     "Listing",
+    "RemoteStore",
     "Retention",
     "TensorReader",
     "TensorWriter",

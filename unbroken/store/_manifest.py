@@ -44,7 +44,11 @@ def self_checksum(manifest: dict[str, Any]) -> str:
 def read_manifest(directory: str) -> dict[str, Any]:
     """The manifest of a checkpoint directory, its schema checked (not yet its checksums)."""
     m = read_json(directory, MANIFEST, MAX_MANIFEST_BYTES)
-    where = os.path.join(directory, MANIFEST)
+    return check_manifest(m, os.path.join(directory, MANIFEST))
+
+
+def check_manifest(m: Any, where: str) -> dict[str, Any]:
+    """The schema check of a parsed manifest (from a directory or an object store)."""
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{where} is not an unbroken manifest")
     version = m.get("format_version")

@@ -40,12 +40,16 @@ def _located(method: F) -> F:
 
 
 class CheckpointReader:
-    """A checkpoint directory whose manifest parsed (call :meth:`verify` for checksums)."""
+    """A checkpoint directory whose manifest parsed (call :meth:`verify` for checksums).
+
+    Public methods check; the ``_io_*`` hooks read the bytes (a subclass reads them from an
+    object store: store/_remote_reader.py), so every refusal is the same wherever they are.
+    """
 
     @_located
     def __init__(self, path: str) -> None:
         self.path = path
-        self.manifest = _manifest.read_manifest(path)
+        self.manifest = self._io_manifest()
         self.step: int = self.manifest["step"]
         named = _layout.parse_step(os.path.basename(os.path.normpath(path)))
         if named is not None and named != self.step:
@@ -78,7 +82,7 @@ class CheckpointReader:
         skip: set[str] = set()
         if self.format_version >= 2:
             skip = {n for n in self.manifest["files"] if n.startswith("tensors-r")}
-        _manifest.verify_files(self.path, self.manifest, checksums=checksums, skip=skip)
+        self._io_verify_files(checksums, skip)
         ranks = [_manifest.rank_file(r) for r in range(self.world_size)]
         payload = ".metadata" if self.format_version == 1 else _format.TABLE_FILE
         for name in (_manifest.STATE_FILE, payload, *ranks):
@@ -92,7 +96,7 @@ class CheckpointReader:
             if unlisted:
                 raise CorruptCheckpointError(f"{self.path}: manifest does not list {unlisted}")
             if checksums and data:
-                _storage.verify_data(self.path, self._table, self.manifest["files"])
+                self._io_verify_data(self._table)
 
     @_located
     def check_contents(self) -> None:
@@ -123,12 +127,12 @@ class CheckpointReader:
         return self._trees(name)
 
     def _trees(self, name: str) -> dict[str, Any]:
-        doc = _manifest.read_json(self.path, name)
+        doc = self._io_json(name)
+        where = self._where(name)
         comps = doc.get("components") if isinstance(doc, dict) else None
         if not isinstance(comps, dict):
-            raise CorruptCheckpointError(f"{os.path.join(self.path, name)} has no components")
+            raise CorruptCheckpointError(f"{where} has no components")
         infos = self.tensor_infos()
-        where = os.path.join(self.path, name)
         for comp, tree in comps.items():
             _tree.validate(tree, f"{where}: component {comp!r}")
             for key in _tree.tensor_names(tree):
@@ -149,7 +153,7 @@ class CheckpointReader:
                 self._infos = _v1.tensor_infos(self._metadata)
             else:
                 sizes = {n: int(r["size"]) for n, r in self.manifest["files"].items()}
-                self._table = _storage.read_table(self.path, sizes)
+                self._table = self._io_table(sizes)
                 self._infos = self._table.infos()
         return self._infos
 
@@ -158,7 +162,7 @@ class CheckpointReader:
         """Fill ``targets`` from the payload; format 2 verifies every chunk read (``verify``)."""
         self.tensor_infos()
         if self._table is not None:
-            _storage.load_tensors(self.path, self._table, targets, verify)
+            self._io_load(self._table, targets, verify)
         else:
             from . import _v1
 
@@ -166,3 +170,26 @@ class CheckpointReader:
 
     def size_bytes(self) -> int:
         return sum(int(r["size"]) for r in self.manifest["files"].values())
+
+    # ---- where the bytes come from (a local directory here) ---------------------------------
+
+    def _where(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def _io_manifest(self) -> dict[str, Any]:
+        return _manifest.read_manifest(self.path)
+
+    def _io_json(self, name: str) -> Any:
+        return _manifest.read_json(self.path, name)
+
+    def _io_verify_files(self, checksums: bool, skip: set[str]) -> None:
+        _manifest.verify_files(self.path, self.manifest, checksums=checksums, skip=skip)
+
+    def _io_table(self, sizes: dict[str, int]) -> Table:
+        return _storage.read_table(self.path, sizes)
+
+    def _io_verify_data(self, table: Table) -> None:
+        _storage.verify_data(self.path, table, self.manifest["files"])
+
+    def _io_load(self, table: Table, targets: dict[str, torch.Tensor], verify: bool) -> None:
+        _storage.load_tensors(self.path, table, targets, verify)

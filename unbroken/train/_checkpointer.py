@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import _dist
 from ..store import AsyncSaver, CheckpointStore, Retention, WriterLock, step_name
 from ..store._lock import take_run_dir
 from ._events import Events
 from ._snapshots import Collect, Snapshots
+
+if TYPE_CHECKING:
+    from ..store._tier import RemoteTier
 
 
 class Checkpointer:
@@ -41,12 +44,16 @@ class Checkpointer:
         rank: int,
         snapshot_dir: str | None,
         snapshot_every: int | None,
+        remote: str | None = None,
+        remote_retention: Retention | None = None,
     ) -> None:
         self.dir, self.rank, self.events = run_dir, rank, events
         self.store = CheckpointStore(run_dir, retention)
         self.lock = WriterLock(run_dir)
         self._snapshot_dir, self._snapshot_every = snapshot_dir, snapshot_every
         self.snapshots: Snapshots | None = None
+        self._remote_url, self._remote_retention = remote, remote_retention
+        self.remote: RemoteTier | None = None  # rank 0's, with remote=
         self._async: AsyncSaver | None = None
         self.last_saved_step: int | None = None
         self.last_save_seconds: float | None = None
@@ -121,7 +128,11 @@ class Checkpointer:
         return self.snapshots.after_step(step, saved, collect, step_seconds)
 
     def _retain(self, step: int) -> None:
-        if self.rank == 0:
+        if self.rank != 0:
+            return
+        if self.remote is not None:
+            self.remote.after_commit(step)  # uploaded in the background; kept locally until then
+        else:
             self.store.apply_retention(step)
 
     def _committed_in_background(self, step: int) -> None:
@@ -140,6 +151,28 @@ class Checkpointer:
     def background(self) -> AsyncSaver | None:
         """The background saver (None: saves block)."""
         return self._async
+
+    def wait_durable(self) -> None:
+        """remote=: wait until the final checkpoint is in the object store (else raise)."""
+        if self.remote is not None:
+            self.remote.wait_durable()
+
+    def remote_tier(self) -> RemoteTier | None:
+        """Rank 0's remote tier with ``remote=`` (made, and the store reached, on first use:
+        when the resume is chosen, so that a failure there is every rank's)."""
+        if self.rank != 0 or self._remote_url is None:
+            return None
+        if self.remote is None:
+            from ..store._tier import RemoteTier
+
+            keep = self._remote_retention or self.store.retention
+            self.remote = RemoteTier(self._remote_url, self.dir, self.store, keep)
+        return self.remote
+
+    def close_remote(self) -> None:
+        """End the upload in flight (a failure is logged; the local tier has the checkpoint)."""
+        if self.remote is not None:
+            self.remote.close()
 
     def release(self) -> None:
         if self.lock.held:

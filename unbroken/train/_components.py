@@ -53,3 +53,8 @@ def retention(config: RunConfig, process: ProcessContext, rank: int) -> Retentio
             )
         return Retention(None, config.keep_every)
     return Retention(config.keep_last, config.keep_every)
+
+
+def remote_retention(config: RunConfig, process: ProcessContext) -> Retention:
+    """The object store's retention (``remote_keep_last``); all kept under ``unbroken verify``."""
+    return Retention(None if process.keep_all else config.remote_keep_last, config.keep_every)

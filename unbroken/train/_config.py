@@ -61,6 +61,15 @@ class RunConfig:
     runs it launches, and says so."""
     keep_every: int | None = _option(None, "save", framework=True)
     """Also keep checkpoints whose step is a multiple of this."""
+    remote: str | None = _option(None, "save", framework=True)
+    """An object store URL (``s3://bucket/prefix``) every checkpoint is uploaded to in the
+    background after it commits locally; a start resumes from the newest checkpoint that
+    verifies in either tier (an empty run directory from the remote one). Needs
+    ``unbroken[s3]``; credentials and endpoint from the standard ``AWS_*`` variables and
+    files. See docs/remote.md."""
+    remote_keep_last: int | None = _option(3, "save", framework=True)
+    """Keep the newest N checkpoints in ``remote`` (None keeps all); ``keep_every`` applies
+    too. ``unbroken verify`` keeps them all in the runs it launches."""
     async_save: bool = _option(False, "save", framework=True)
     """Block training only for a snapshot; write and commit in the background."""
     # ---- resume ----
@@ -139,7 +148,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
-        for name in ("save_every", "keep_last", "keep_every", "max_steps"):
+        for name in ("save_every", "keep_last", "keep_every", "max_steps", "remote_keep_last"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
@@ -151,6 +160,10 @@ class RunConfig:
             raise ConfigError(
                 f"start_over=True starts fresh; it cannot be combined with resume={self.resume!r}"
             )
+        if self.remote is not None:
+            from ..store._s3 import parse_url
+
+            parse_url(self.remote)  # a malformed URL fails here, before anything runs
         self.allow_missing = tuple(self.allow_missing)
         self.allow_unexpected = tuple(self.allow_unexpected)
         if self.snapshot_every is not None and self.snapshot_every < 0:

@@ -13,7 +13,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import _dist, _log
 from .._errors import ConfigError, CorruptCheckpointError, StateError
@@ -25,6 +25,9 @@ from ._config import RunConfig
 from ._metrics import METRICS_FILE
 from ._snapshots import Snapshots
 from ._tree_peek import saved_stage
+
+if TYPE_CHECKING:
+    from ..store._tier import RemoteTier
 
 log = _log.get("run")
 
@@ -47,6 +50,9 @@ class Resumer:
     snapshots: Snapshots | None
     swap_model: Callable[[Any, str], Any]
     """``swap_model(new_model, reason)``: how a resume into another stage replaces the model."""
+    remote: Callable[[], RemoteTier | None] = lambda: None
+    """Rank 0's remote tier (``remote=``), made on first call: the newest step that verifies in
+    either tier wins."""
     extended_to: str | None = None
     """Set when the checkpoint was of a complete run that ``max_steps`` now extends."""
 
@@ -81,7 +87,7 @@ class Resumer:
         # load what it chose.
         data = not (one_pass and self.world_size == 1)
         metrics = os.path.join(self.store.run_dir, METRICS_FILE)
-        return pick_step(self.store, self.config, metrics, data)
+        return pick_step(self.store, self.config, metrics, data, remote=self.remote())
 
     def _restore_or_fall_back(self, reader: CheckpointReader) -> int:
         """Restore ``reader``; if its data fails the checksums while loading (one process),
@@ -167,12 +173,19 @@ class Resumer:
 
 
 def pick_step(
-    store: CheckpointStore, config: RunConfig, metrics_path: str, data: bool = True
+    store: CheckpointStore,
+    config: RunConfig,
+    metrics_path: str,
+    data: bool = True,
+    remote: RemoteTier | None = None,
 ) -> int | None:
     """The step to resume from (None: a fresh start); rank 0 only, holding the lock.
-    ``data=False``: format-2 data files are verified by the load instead (one pass)."""
+    ``data=False``: format-2 data files are verified by the load instead (one pass).
+    ``remote``: the newest step that verifies in either tier (store/_tier.py)."""
     want = config.resume
     if config.start_over:
+        if remote is not None:
+            remote.refuse_fresh_start(start_over=True)
         store.abandon(extra=[metrics_path])
         return None
     if want is False:
@@ -181,7 +194,11 @@ def pick_step(
                 f"resume=False but {store.root} already holds checkpoints; use another run "
                 "directory, resume=True, or start_over=True (moves them aside)"
             )
+        if remote is not None:
+            remote.refuse_fresh_start(start_over=False)
         return None
+    if remote is not None:
+        return remote.resume_step(want, checksums=config.verify_checksums, data=data)
     if want is True:
         # Raises when checkpoints exist and none loads: never a fresh start over them.
         latest = store.latest(checksums=config.verify_checksums, data=data)

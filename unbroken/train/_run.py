@@ -47,7 +47,7 @@ from ..state import Counters
 from . import _triggers
 from ._audit import Audit
 from ._checkpointer import Checkpointer
-from ._components import retention, track
+from ._components import remote_retention, retention, track
 from ._config import RunConfig, deadline, split_arguments
 from ._events import Events
 from ._loop import Stepper
@@ -99,6 +99,8 @@ class Run:
             rank=self.rank,
             snapshot_dir=process.snapshot_dir,
             snapshot_every=cfg.snapshot_every,
+            remote=cfg.remote,
+            remote_retention=remote_retention(cfg, process),
         )
         self.store = self._checkpointer.store
         self._swap = ModelSwap(
@@ -145,6 +147,7 @@ class Run:
                 self.world_size,
                 self._checkpointer.snapshots,
                 self._swap,
+                self._checkpointer.remote_tier,
             )
             self.resumed_from = resumer.resume()
             if self.rank == 0 and cfg.metrics:
@@ -422,6 +425,8 @@ class Run:
         c = self.counters
         c.metrics_offset = self._events.metrics_offset(durable)
         meta = {"epoch": c.epoch, "samples": c.samples, "stage": c.stage}
+        if self._events.metrics is not None:
+            meta["metrics_bytes"] = c.metrics_offset  # the log that travels with it (remote=)
         return self.registry.collect(self.rank), meta
 
     def _snapshot_state(self) -> tuple[Any, dict[str, Any]]:
@@ -445,6 +450,7 @@ class Run:
         c.complete = True
         self.wait()
         self.close()
+        self._checkpointer.wait_durable()  # remote=: exit 0 only once the store has it
 
     def install_signal_handlers(self) -> None:
         """Install the stop handlers again, on top of any a framework installed since
@@ -466,6 +472,7 @@ class Run:
         try:
             # The lock is released only after a save in flight committed (or failed).
             self._checkpointer.wait()
+            self._checkpointer.close_remote()
         finally:
             self._stop.uninstall()
             if self._progress is not None:

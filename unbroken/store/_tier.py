@@ -1,0 +1,310 @@
+"""The remote tier of one run: which tier to resume from, and uploads in the background.
+
+The run calls, on rank 0 (the one that owns the run directory)::
+
+    tier = RemoteTier(url, run_dir, store, retention)   reachable? (else RemoteStoreError)
+    tier.resume_step(...)      the newest checkpoint that verifies in the local directory or
+                               the remote store; a newer remote one is fetched into the local
+                               directory first (rebuilding it), a newer local one is uploaded
+    tier.after_commit(step)    after each local commit: upload it in the background, and
+                               apply local retention, keeping what is not uploaded yet
+    tier.wait_durable()        at the end: the newest checkpoint is in the store, or an error
+    tier.close()               wait for the upload in flight (errors are logged)
+
+At most one upload is in flight; when checkpoints commit faster than they upload, only the
+newest waiting one is uploaded next (the skipped ones were superseded). A failed upload is
+logged and retried with the next checkpoint or at the end, never raised into training: the local
+tier still holds it, and the store keeps its previous complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from .. import _log
+from .._errors import CheckpointError, ConfigError, CorruptCheckpointError, RemoteStoreError
+from .._logfile import METRICS_FILE
+from . import _layout
+from ._remote import UNUSABLE, RemoteStore
+from ._store import CheckpointStore, Retention
+
+log = _log.get("store")
+
+
+class RemoteTier:
+    def __init__(
+        self, url: str, run_dir: str, store: CheckpointStore, retention: Retention
+    ) -> None:
+        self.remote = RemoteStore(url, retention)
+        self.url = self.remote.url
+        self.store = store
+        self.metrics = os.path.join(run_dir, METRICS_FILE)
+        self.run_dir = run_dir
+        self._cond = threading.Condition()
+        self._retention = threading.Lock()  # local retention: the training or upload thread
+        self._pending: int | None = None
+        self._busy: int | None = None
+        self._failed: tuple[int, BaseException] | None = None
+        self._newest: int | None = None  # the newest step handed to after_commit
+        self._durable: int | None = None  # the newest step known complete in the store
+        self._thread: threading.Thread | None = None
+        self.last_upload_seconds: float | None = None
+        started = time.time()
+        self.remote.check()
+        try:
+            self.remote.sweep_uploads(older_than=started)
+        except RemoteStoreError as e:  # some stores do not let us list uploads: not fatal
+            log.debug("unbroken: could not clean up unfinished uploads in %s: %s", self.url, e)
+
+    # ---- resuming -----------------------------------------------------------------------------
+
+    def resume_step(self, want: bool | int, *, checksums: bool, data: bool) -> int | None:
+        """The step to resume from (``want``: True for the newest, or a step), fetched into
+        the local directory if only the store has it. Raises when checkpoints exist and none
+        verifies in any tier -- never a fresh start over them."""
+        if want is not True:
+            return self._resume_exact(int(want), checksums)
+        local, local_error = None, None
+        try:
+            local = self.store.latest(checksums=checksums, data=data)
+        except CorruptCheckpointError as e:
+            local_error = e
+        floor = local.step if local is not None else -1
+        step = self._fetch_newer(floor)
+        if step is None:
+            if local is None:
+                if local_error is not None:
+                    raise local_error
+                return None
+            step = local.step
+            self._upload_if_missing(step)
+        self.store.supersede_newer(step, unusable=True)
+        return step
+
+    def _fetch_newer(self, floor: int) -> int | None:
+        """Fetch the newest remote checkpoint newer than ``floor`` whose every byte verifies
+        (an older one if a newer one does not); None when the store has none newer."""
+        below: int | None = None
+        while True:
+            try:
+                remote = self.remote.latest(below=below)
+            except CorruptCheckpointError as e:
+                if floor >= 0:  # the local tier has one: use it, and say why
+                    log.warning("unbroken: %s; resuming from the local checkpoint", e)
+                    return None
+                raise
+            if remote is None or remote.step <= floor:
+                if remote is not None:
+                    self._durable = remote.step
+                return None
+            t0 = time.perf_counter()
+            try:
+                self.remote.fetch(remote.step, self.run_dir)
+            except UNUSABLE as e:
+                _log.event(
+                    log,
+                    logging.WARNING,
+                    "unbroken: remote checkpoint %s failed verification while fetched: %s; "
+                    "trying an earlier one",
+                    remote.path,
+                    e,
+                    step=remote.step,
+                    path=remote.path,
+                )
+                below = remote.step
+                continue
+            _log.event(
+                log,
+                logging.INFO,
+                "unbroken: fetched step %d from %s into %s in %.2f s",
+                remote.step,
+                self.url,
+                self.store.root,
+                time.perf_counter() - t0,
+                step=remote.step,
+            )
+            self._durable = remote.step
+            return remote.step
+
+    def _resume_exact(self, step: int, checksums: bool) -> int:
+        try:
+            self.store.open(step, checksums=checksums)
+            self._upload_if_missing(step)
+        except CheckpointError as local_error:
+            try:
+                self.remote.open(step)
+            except RemoteStoreError:
+                raise
+            except CheckpointError:
+                raise local_error from None
+            self.remote.fetch(step, self.run_dir)
+            self._durable = step
+        self.store.supersede_newer(step)
+        self.remote.supersede_newer(step)
+        return step
+
+    def _upload_if_missing(self, step: int) -> None:
+        """The local checkpoint resumed from is newer than the store's newest (the run was
+        stopped before its upload finished, or the supervisor persisted a snapshot)."""
+        if self._durable is None or self._durable < step:
+            self._queue(step)
+
+    def refuse_fresh_start(self, start_over: bool) -> None:
+        """``resume=False`` refuses a store with checkpoints; ``start_over`` moves them aside."""
+        steps = self.remote.committed()
+        if not steps:
+            return
+        if start_over:
+            self.remote.supersede_newer(-1)
+            return
+        raise ConfigError(
+            f"resume=False but {self.remote.root} already holds checkpoints (steps "
+            f"{steps[:5]}...); use another remote prefix, resume=True, or start_over=True "
+            "(moves them aside)"
+        )
+
+    # ---- uploading ----------------------------------------------------------------------------
+
+    def after_commit(self, step: int) -> None:
+        """Upload the local checkpoint of ``step`` (just committed) in the background, and
+        apply local retention, keeping what is not uploaded yet."""
+        self._queue(step)
+        self.retain_local()
+
+    def retain_local(self) -> None:
+        """Local retention for the newest committed step, keeping :meth:`held` (run again
+        after each upload: what it kept may go once it is in the store)."""
+        with self._retention:
+            newest = self._newest
+            if newest is not None:
+                self.store.apply_retention(newest, protect=self.held())
+
+    def _queue(self, step: int) -> None:
+        with self._cond:
+            if self._pending is not None and self._pending != step:
+                log.info(
+                    "unbroken: upload of step %d skipped: step %d is newer", self._pending, step
+                )
+            self._pending = step
+            self._newest = step if self._newest is None else max(self._newest, step)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._work, name="unbroken-upload", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def held(self) -> set[int]:
+        """Steps local retention must keep: waiting, uploading, or failed (retried later)."""
+        with self._cond:
+            out = {self._pending, self._busy}
+            if self._failed is not None:
+                out.add(self._failed[0])
+        return {s for s in out if s is not None}
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None:
+                    self._cond.wait()
+                step, self._pending, self._busy = self._pending, None, self._pending
+            try:
+                self._upload(step)
+                self.retain_local()
+            except BaseException as e:  # logged; retried with the next checkpoint or at the end
+                with self._cond:
+                    self._failed = (step, e)
+                _log.event(
+                    log,
+                    logging.WARNING,
+                    "unbroken: uploading step %d to %s failed: %s; it stays in %s and the "
+                    "upload is retried with the next checkpoint and at the end of the run",
+                    step,
+                    self.url,
+                    e,
+                    self.store.root,
+                    step=step,
+                )
+            finally:
+                with self._cond:
+                    self._busy = None
+                    self._cond.notify_all()
+
+    def _upload(self, step: int) -> None:
+        t0 = time.perf_counter()
+        path = os.path.join(self.store.root, _layout.step_name(step))
+        uploaded = self.remote.upload(path, self.metrics)
+        with self._cond:
+            self._durable = step if self._durable is None else max(self._durable, step)
+            if self._failed is not None and self._failed[0] <= step:
+                self._failed = None
+        self.last_upload_seconds = time.perf_counter() - t0
+        if uploaded:
+            _log.event(
+                log,
+                logging.INFO,
+                "unbroken: uploaded step %d to %s in %.2f s",
+                step,
+                self.url,
+                self.last_upload_seconds,
+                step=step,
+            )
+        try:
+            deleted = self.remote.apply_retention(step, protect=())
+        except RemoteStoreError as e:
+            log.warning("unbroken: remote retention in %s failed: %s", self.url, e)
+            return
+        if deleted:
+            log.info("unbroken: remote retention deleted steps %s from %s", deleted, self.url)
+
+    def wait(self) -> None:
+        """Block until no upload waits or runs."""
+        with self._cond:
+            while self._pending is not None or self._busy is not None:
+                self._cond.wait()
+
+    def wait_durable(self) -> None:
+        """Return once the newest committed checkpoint is in the store; else retry its upload
+        once (the network may be back) and raise RemoteStoreError saying where it is."""
+        self.wait()
+        step = self._newest
+        if step is None or (self._durable is not None and self._durable >= step):
+            return
+        try:
+            self._upload(step)
+            return
+        except Exception as e:
+            err: BaseException = e
+        path = os.path.join(self.store.root, _layout.step_name(step))
+        raise RemoteStoreError(
+            f"the final checkpoint (step {step}) is committed in {path} but NOT in {self.url}: "
+            f"{err}. Relaunch the same command to retry the upload (the run is complete; it "
+            "only uploads), or copy the checkpoint there yourself.",
+            path=self.url,
+            step=step,
+        ) from err
+
+    def close(self) -> None:
+        """Wait for the upload in flight; a failure is logged (``wait_durable`` raises it)."""
+        self.wait()
+        failed = self._failed
+        if failed is not None and (self._durable is None or self._durable < failed[0]):
+            _log.event(
+                log,
+                logging.WARNING,
+                "unbroken: step %d is not in %s (its upload failed: %s); the newest checkpoint "
+                "there is step %s",
+                failed[0],
+                self.url,
+                failed[1],
+                self._durable,
+                step=failed[0],
+            )
+
+    @property
+    def durable_step(self) -> int | None:
+        """The newest step known complete in the store."""
+        return self._durable
