@@ -69,8 +69,26 @@ class Difference:
         return out
 
 
+class FirstDifferences:
+    """What a comparison and a verify report say first: ``differences`` holds the first
+    difference of each component and metric, earliest first."""
+
+    __slots__ = ()
+    differences: list[Difference]
+
+    @property
+    def first_difference(self) -> Difference | None:
+        """The earliest difference in tracked state, else the earliest in the metrics log."""
+        state = [d for d in self.differences if d.component != "metrics"]
+        return (state or self.differences)[0] if self.differences else None
+
+    @property
+    def first_metric_difference(self) -> Difference | None:
+        return next((d for d in self.differences if d.component == "metrics"), None)
+
+
 @dataclass(slots=True)
-class Comparison:
+class Comparison(FirstDifferences):
     """What :func:`compare_runs` found."""
 
     steps: list[int]
@@ -95,16 +113,6 @@ class Comparison:
     @property
     def passed(self) -> bool:
         return not self.differences
-
-    @property
-    def first_difference(self) -> Difference | None:
-        """The earliest difference in tracked state, else the earliest in the metrics log."""
-        state = [d for d in self.differences if d.component != "metrics"]
-        return (state or self.differences)[0] if self.differences else None
-
-    @property
-    def first_metric_difference(self) -> Difference | None:
-        return next((d for d in self.differences if d.component == "metrics"), None)
 
 
 def compare_runs(

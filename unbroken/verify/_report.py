@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ._compare import Comparison, Difference
+from ._compare import Comparison, Difference, FirstDifferences
 
 
 @dataclass(slots=True)
@@ -27,7 +27,7 @@ class Interruption:
 
 
 @dataclass(slots=True)
-class VerifyReport:
+class VerifyReport(FirstDifferences):
     """The result of :func:`unbroken.verify_resume` (``unbroken verify``)."""
 
     passed: bool
@@ -52,16 +52,6 @@ class VerifyReport:
     """Where the two run directories are (None once removed after a pass)."""
     seconds: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-
-    @property
-    def first_difference(self) -> Difference | None:
-        """The earliest difference in tracked state (else in the metrics log), or None."""
-        state = [d for d in self.differences if d.component != "metrics"]
-        return (state or self.differences)[0] if self.differences else None
-
-    @property
-    def first_metric_difference(self) -> Difference | None:
-        return next((d for d in self.differences if d.component == "metrics"), None)
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (what ``unbroken verify --json`` prints)."""
