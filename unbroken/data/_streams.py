@@ -57,7 +57,7 @@ def _np_mt() -> Callable[[], bytes] | None:
         return None
 
     def read() -> bytes:
-        if np.random.get_bit_generator() is not gen:  # np.random.set_bit_generator replaced it
+        if get() is not gen:  # np.random.set_bit_generator replaced it
             return b""
         return ctypes.string_at(addr, _MT_BYTES)
 
@@ -77,7 +77,7 @@ def _np_save() -> tuple[bytes, Any]:
     mt = _np_bytes()
     if mt and mt == _np_clean[0]:
         return (mt, None)
-    full = np.random.get_state()
+    full: Any = np.random.get_state()
     if mt and not full[3]:  # has_gauss
         _np_clean[0] = mt
         return (mt, None)
@@ -98,7 +98,7 @@ def _np_moved(saved: tuple[bytes, Any]) -> bool:
         return True
     if full is None:
         return False
-    now = np.random.get_state()
+    now: Any = np.random.get_state()
     return not (full[2:] == now[2:] and np.array_equal(full[1], now[1]))
 
 
