@@ -9,9 +9,13 @@ adds noise from a *global* random stream (``--noise torch|numpy|python|none``), 
   unbroken   ``unbroken.Run`` + ``unbroken.DataLoader`` with default settings
              (``run.loop``, ``run.step(loss=loss)``; metrics log and signal handlers on)
 
-for each worker count in ``--workers``. All variants live in one process and take turns in
-blocks of ``--block`` steps for ``--rounds`` rounds (rotating order, the first step after a
-switch not counted), so the machine's drift hits them alike. Reported: the median step of
+for each worker count in ``--workers``. With ``--char-lm``, the same comparison on
+examples/char_lm.py's model, data and step (AdamW, bf16 autocast + GradScaler, EMA; 2 workers;
+its dataset's ``get_sample`` fed a per-sample generator in the plain loop too).
+
+All variants live in one process and take turns in blocks of ``--block`` steps for
+``--rounds`` rounds (rotating order, the first step after a switch not counted), so the
+machine's drift hits them alike. Reported: the median step of
 each, the overhead (median of the per-round ratios of the block medians, and its spread) and
 the overhead per sample in microseconds. Targets: <= 10% with 0 workers, <= 1% with 2.
 
@@ -44,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import unbroken  # noqa: E402
 
 TARGETS = {0: 0.10, 2: 0.01}
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class Noisy(tud.Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -119,6 +124,79 @@ def with_unbroken(
             yield
 
 
+def char_lm_steps(workers: int, run_dir: str | None) -> Iterator[None]:
+    """examples/char_lm.py's training step, with unbroken (``run_dir``) or without."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("char_lm", ROOT / "examples" / "char_lm.py")
+    assert spec is not None and spec.loader is not None
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    torch.manual_seed(0)
+    data = ex.Crops(ex.CORPUS.read_text(encoding="utf-8"), 64, stride=32)
+    model = ex.CharLM(len(data.chars), 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    scaler = torch.amp.GradScaler("cpu")
+    ema = unbroken.EMA(model, decay=0.99)
+
+    def one(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        ema.update()
+        return loss
+
+    if run_dir is None:
+        plain_data = _PerSample(data)
+        loader: Any = tud.DataLoader(
+            plain_data,
+            batch_size=32,
+            shuffle=True,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            generator=torch.Generator().manual_seed(0),
+        )
+        while True:
+            for x, y in loader:
+                one(x, y)
+                yield
+    loader = unbroken.DataLoader(
+        data, 32, seed=0, num_workers=workers, persistent_workers=workers > 0
+    )
+    with unbroken.Run(
+        run_dir,
+        model=model,
+        optimizer=opt,
+        scaler=scaler,
+        ema=ema,
+        loader=loader,
+        save_final=False,
+        progress=False,
+    ) as run:
+        for x, y in run.loop(loader, epochs=10**9):
+            run.step(loss=one(x, y), batch_size=len(loader.last_indices))
+            yield
+
+
+class _PerSample(tud.Dataset[Any]):
+    """A ``get_sample(i, generator)`` dataset for a plain torch loader: a generator a sample."""
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.data.get_sample(i, torch.Generator().manual_seed(i))
+
+
 def interleave(gens: dict[str, Iterator[None]], rounds: int, block: int) -> dict[str, list]:
     """Per variant, the median step of each round's block."""
     keys = list(gens)
@@ -149,10 +227,12 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer rounds")
     p.add_argument("--rounds", type=int, default=None, help="rounds (default 15, quick 5)")
     p.add_argument("--block", type=int, default=50, help="steps per block")
-    p.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    p.add_argument("--workers", type=int, nargs="*", default=[0, 2])
     p.add_argument("--noise", default="torch", choices=["torch", "numpy", "python", "none"])
     p.add_argument("--dims", type=int, nargs="+", default=[128, 512, 512, 10])
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--char-lm", action="store_true", help="also examples/char_lm.py, 2 workers")
+    p.add_argument("--char-lm-block", type=int, default=8, help="char_lm steps per block")
     a = p.parse_args()
     rounds = a.rounds or (5 if a.quick else 15)
     torch.set_num_threads(a.threads)
@@ -192,6 +272,30 @@ def main() -> None:
                 "us_per_sample": round(per_sample, 2),
                 "target": target,
                 "ok": None if target is None else ov <= target,
+            }
+        if a.char_lm:
+            gens = {
+                "plain": char_lm_steps(2, None),
+                "unbroken": char_lm_steps(2, os.path.join(root, "char_lm")),
+            }
+            t = interleave(gens, rounds, a.char_lm_block)
+            ratios = sorted(u / h - 1 for u, h in zip(t["unbroken"], t["plain"], strict=True))
+            q = len(ratios) // 4
+            med = {k: statistics.median(v) for k, v in t.items()}
+            ov = statistics.median(ratios)
+            print(
+                f"char_lm (2 workers): plain {med['plain'] * 1e3:.1f} ms, unbroken "
+                f"{med['unbroken'] * 1e3:.1f} ms a step, overhead {ov:+.2%} "
+                f"({ratios[q]:+.2%}..{ratios[-1 - q]:+.2%}), target 1%",
+                flush=True,
+            )
+            result["char_lm"] = {
+                "plain_ms": round(med["plain"] * 1e3, 3),
+                "unbroken_ms": round(med["unbroken"] * 1e3, 3),
+                "overhead": round(ov, 4),
+                "overhead_iqr": [round(ratios[q], 4), round(ratios[-1 - q], 4)],
+                "target": 0.01,
+                "ok": ov <= 0.01,
             }
     finally:
         shutil.rmtree(root, ignore_errors=True)
