@@ -34,6 +34,7 @@ if _os.environ.get("UNBROKEN_SUPERVISED") == "1":
     install_signal_handlers()
 
 if TYPE_CHECKING:
+    from ._determinism import determinism_problems, make_deterministic
     from ._launch import init_distributed
     from ._trackers import (
         tensorboard_purge_step,
@@ -104,8 +105,10 @@ _LAZY = {
     "WarmupCosine": ".train",
     "WordVocab": ".data",
     "compare_runs": ".verify",
+    "determinism_problems": "._determinism",
     "export_weights": ".train",
     "init_distributed": "._launch",
+    "make_deterministic": "._determinism",
     "protect_workers": ".data",
     "read_metrics": ".train",
     "seed_everything": ".data",
@@ -174,9 +177,11 @@ __all__ = [
     "WordVocab",
     "__version__",
     "compare_runs",
+    "determinism_problems",
     "export_weights",
     "init_distributed",
     "install_signal_handlers",
+    "make_deterministic",
     "protect_workers",
     "read_metrics",
     "seed_everything",

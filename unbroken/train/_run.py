@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .. import _dist, _signals, _stops
+from .._determinism import warn_determinism
 from .._errors import ConfigError
 from .._exit import EXIT_RESUMABLE
 from ..data._contract import check_world, is_loader
@@ -88,6 +89,7 @@ class Run:
                 check_world(name, obj, self.rank, self.world_size)
         self.registry.add("counters", self.counters)
         self.registry.check_untracked_parameters()
+        warn_determinism()  # on CUDA: the settings that make a bitwise resume impossible
         if self.config.track_rng:
             self.registry.add("rng", GlobalRNG())
         self.store = CheckpointStore(
