@@ -128,7 +128,8 @@ class Run:
             except BaseException:
                 self._lock.release()
                 raise
-        _dist.barrier()
+        _dist.set_report_dir(self.dir)  # where a timed-out collective names who did not answer
+        _dist.barrier(what="start-up barrier")
         try:
             self._snapshots = Snapshots(self, self.config.snapshot_every)
             reader = choose_checkpoint(self)
