@@ -197,6 +197,44 @@ class _PerSample(tud.Dataset[Any]):
         return self.data.get_sample(i, torch.Generator().manual_seed(i))
 
 
+def fetch_costs(data: tud.Dataset[Any], batch: int, n: int, root: str) -> dict[str, float]:
+    """Median seconds of what each variant spends outside the model per step -- fetching a
+    batch (0 workers), and ``run.step()`` for unbroken -- alternating batch by batch: far
+    steadier on a busy machine than whole steps."""
+    plain_it = iter(_forever(tud.DataLoader(data, batch_size=batch, shuffle=True)))
+    model = nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = unbroken.DataLoader(data, batch, seed=0)
+    loss = torch.tensor(1.0)
+    got: dict[str, list[float]] = {"plain": [], "unbroken": []}
+    with unbroken.Run(
+        os.path.join(root, "costs"),
+        model=model,
+        optimizer=opt,
+        loader=loader,
+        save_final=False,
+        progress=False,
+    ) as run:
+        ub_it = iter(run.loop(loader, epochs=10**9))
+        for i in range(n + 20):
+            t0 = time.perf_counter()
+            next(plain_it)
+            t1 = time.perf_counter()
+            next(ub_it)
+            run.step(loss=loss)
+            t2 = time.perf_counter()
+            if i >= 20:
+                got["plain"].append(t1 - t0)
+                got["unbroken"].append(t2 - t1)
+        ub_it.close()
+    return {k: statistics.median(v) for k, v in got.items()}
+
+
+def _forever(loader: Any) -> Iterator[Any]:
+    while True:
+        yield from loader
+
+
 def interleave(gens: dict[str, Iterator[None]], rounds: int, block: int) -> dict[str, list]:
     """Per variant, the median step of each round's block."""
     keys = list(gens)
@@ -246,6 +284,18 @@ def main() -> None:
             f"{'workers':>7} {'plain ms':>9} {'unbroken ms':>12} {'overhead':>9} "
             f"{'(IQR)':>17} {'us/sample':>9} {'target':>7}"
         )
+        if 0 in a.workers:
+            costs = fetch_costs(data, batch, 200 if a.quick else 1000, root)
+            added = costs["unbroken"] - costs["plain"]
+            result["fetch_costs_us"] = {k: round(v * 1e6, 1) for k, v in costs.items()}
+            result["added_us_per_sample"] = round(added / batch * 1e6, 2)
+            result["added_ms_per_step"] = round(added * 1e3, 4)
+            print(
+                f"0 workers, outside the model: plain fetch {costs['plain'] * 1e6:.0f} us, "
+                f"unbroken fetch + run.step {costs['unbroken'] * 1e6:.0f} us a step: "
+                f"{added / batch * 1e6:.2f} us a sample added",
+                flush=True,
+            )
         for w in a.workers:
             gens = {
                 "plain": plain(a.dims, data, batch, w),
