@@ -115,3 +115,12 @@ def test_real_cuda_generator_round_trip():
     GlobalRNG().load_state_dict(state)
     assert torch.equal(torch.randn(8, device="cuda"), want)
     assert state["cuda_devices"] == [dev]
+
+
+def test_cuda_states_read_only_this_ranks_devices(monkeypatch):
+    """What the loop-start audit fingerprints: the current device's generator alone."""
+    cuda = FakeCuda(monkeypatch, current=3)
+    assert _rng.cuda_states() == [bytes([3]) * 16] and cuda.reads == [3]
+    assert _rng.cuda_states([1]) == [bytes([1]) * 16]
+    FakeCuda(monkeypatch, current=0, in_use=False)
+    assert _rng.cuda_states() == []

@@ -120,9 +120,17 @@ def capture(devices: Sequence[int] | None = None) -> dict[str, Any]:
     }
     if _cuda_in_use():
         mine = list(devices) if devices is not None else [_cuda_current()]
-        state["cuda"] = [_cuda_get(d) for d in mine]
+        state["cuda"] = cuda_states(mine)
         state["cuda_devices"] = mine  # where they came from (and: one generator per device used)
     return state
+
+
+def cuda_states(devices: Sequence[int] | None = None) -> list[bytes]:
+    """The CUDA generator states of ``devices`` (default: the current device; [] when CUDA is
+    not initialised here). Never every visible device: reading one creates a context there."""
+    if not _cuda_in_use():
+        return []
+    return [_cuda_get(d) for d in (list(devices) if devices is not None else [_cuda_current()])]
 
 
 def restore(state: dict[str, Any], devices: Sequence[int] | None = None) -> None:
