@@ -18,6 +18,7 @@ import os
 import pickle
 import sys
 import time
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -54,27 +55,48 @@ def bounded(work: Any, what: str, timeout: float | None = None) -> None:
     :data:`TIMEOUT`); then raise CollectiveTimeoutError naming the ranks that did not answer."""
     seq = next(_seq.setdefault(what, itertools.count()))
     limit = TIMEOUT if timeout is None else timeout
+    if not _wait(work, limit):
+        missing = _who_is_missing(f"{seq}-{what}")
+        who = (
+            f"rank(s) {', '.join(map(str, missing))} did not answer"
+            if missing
+            else "every rank answered late (the collective itself is stuck)"
+            if missing == []
+            else "which rank did not answer is unknown (no run directory to compare in)"
+        )
+        raise CollectiveTimeoutError(
+            f"rank {rank()}: the {what} did not complete within {limit:g} s: {who}. A "
+            "rank that died or hangs elsewhere stops the others here; look at its log, "
+            "then relaunch (every rank resumes from the last checkpoint)",
+            missing=missing,
+        )
+
+
+def _wait(work: Any, limit: float) -> bool:
+    """Whether ``work`` completed within ``limit`` seconds (its own error is raised)."""
+    if _blocking_wait is not False:
+        # gloo's wait() takes a timeout and blocks without polling; NCCL's returns at once
+        # (it only orders the streams), so there the completion is polled.
+        try:
+            work.wait(timeout=timedelta(seconds=limit))
+            if work.is_completed():
+                return True
+        except RuntimeError as e:
+            if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+                raise
+            return False
     end = time.monotonic() + limit
     pause = 0.0001
     while not work.is_completed():
         if time.monotonic() >= end:
-            missing = _who_is_missing(f"{seq}-{what}")
-            who = (
-                f"rank(s) {', '.join(map(str, missing))} did not answer"
-                if missing
-                else "every rank answered late (the collective itself is stuck)"
-                if missing == []
-                else "which rank did not answer is unknown (no run directory to compare in)"
-            )
-            raise CollectiveTimeoutError(
-                f"rank {rank()}: the {what} did not complete within {limit:g} s: {who}. A "
-                "rank that died or hangs elsewhere stops the others here; look at its log, "
-                "then relaunch (every rank resumes from the last checkpoint)",
-                missing=missing,
-            )
+            return False
         time.sleep(pause)
         pause = min(pause * 2, 0.01)
     work.wait()  # raises the backend's own error, if the collective failed
+    return True
+
+
+_blocking_wait: bool | None = None  # None: try wait(timeout) first (gloo); False: poll only
 
 
 def _who_is_missing(tag: str) -> list[int] | None:
