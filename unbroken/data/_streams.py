@@ -77,8 +77,8 @@ def _np_save() -> tuple[bytes, Any]:
     mt = _np_bytes()
     if mt and mt == _np_clean[0]:
         return (mt, None)
-    full: Any = np.random.get_state()
-    if mt and not full[3]:  # has_gauss
+    full: Any = np.random.get_state(legacy=False)
+    if mt and not full["has_gauss"]:
         _np_clean[0] = mt
         return (mt, None)
     return (mt, full)
@@ -86,9 +86,15 @@ def _np_save() -> tuple[bytes, Any]:
 
 def _np_put(saved: tuple[bytes, Any]) -> None:
     mt, full = saved
-    if full is None:
+    if full is None:  # the dict form: half the cost of the legacy tuple
         key = np.frombuffer(mt, dtype=np.uint32, count=624).copy()
-        full = ("MT19937", key, int.from_bytes(mt[2496:], "little", signed=True), 0, 0.0)
+        pos = int.from_bytes(mt[2496:], "little", signed=True)
+        full = {
+            "bit_generator": "MT19937",
+            "state": {"key": key, "pos": pos},
+            "has_gauss": 0,
+            "gauss": 0.0,
+        }
     np.random.set_state(full)
 
 
@@ -98,8 +104,13 @@ def _np_moved(saved: tuple[bytes, Any]) -> bool:
         return True
     if full is None:
         return False
-    now: Any = np.random.get_state()
-    return not (full[2:] == now[2:] and np.array_equal(full[1], now[1]))
+    now: Any = np.random.get_state(legacy=False)
+    return not (
+        full["has_gauss"] == now["has_gauss"]
+        and full["gauss"] == now["gauss"]
+        and full["state"]["pos"] == now["state"]["pos"]
+        and np.array_equal(full["state"]["key"], now["state"]["key"])
+    )
 
 
 def _np_seed(s: int) -> None:
