@@ -230,6 +230,37 @@ def fetch_costs(data: tud.Dataset[Any], batch: int, n: int, root: str) -> dict[s
     return {k: statistics.median(v) for k, v in got.items()}
 
 
+def isolated(n: int = 300) -> dict[str, dict[str, float]]:
+    """The loader's seeding alone: ``SampleSeeder.fetch`` of 64 samples against a list
+    comprehension of ``dataset[i]``, watched and with all three streams seeded, alternating;
+    microseconds added a sample, per kind of noise."""
+    from unbroken.data._streams import SampleSeeder
+
+    keys = [(0, i) for i in range(64)]
+    out = {}
+    for noise in ("torch", "numpy", "python", "none"):
+        d = Noisy(64 * 10, 128, 10, noise)
+        watched = SampleSeeder(0, True)
+        watched.fetch(d.__getitem__, keys)  # found by watching: outside the clock
+        every = SampleSeeder(0, ("python", "numpy", "torch"))
+        fns = {
+            "plain": lambda d=d: [d[i] for _, i in keys],
+            "watched": lambda d=d, w=watched: w.fetch(d.__getitem__, keys),
+            "all_three": lambda d=d, e=every: e.fetch(d.__getitem__, keys),
+        }
+        got: dict[str, list[float]] = {k: [] for k in fns}
+        for _ in range(n):
+            for k, f in fns.items():
+                t0 = time.perf_counter()
+                f()
+                got[k].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v) for k, v in got.items()}
+        out[noise] = {
+            k: round((med[k] - med["plain"]) / len(keys) * 1e6, 2) for k in ("watched", "all_three")
+        }
+    return out
+
+
 def _forever(loader: Any) -> Iterator[Any]:
     while True:
         yield from loader
@@ -270,6 +301,7 @@ def main() -> None:
     p.add_argument("--dims", type=int, nargs="+", default=[128, 512, 512, 10])
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--char-lm", action="store_true", help="also examples/char_lm.py, 2 workers")
+    p.add_argument("--isolated", action="store_true", help="also the loader's seeding alone")
     p.add_argument("--char-lm-block", type=int, default=8, help="char_lm steps per block")
     a = p.parse_args()
     rounds = a.rounds or (5 if a.quick else 15)
@@ -284,6 +316,12 @@ def main() -> None:
             f"{'workers':>7} {'plain ms':>9} {'unbroken ms':>12} {'overhead':>9} "
             f"{'(IQR)':>17} {'us/sample':>9} {'target':>7}"
         )
+        if a.isolated:
+            iso = isolated()
+            result["isolated_us_per_sample"] = iso
+            print("loader seeding alone, us added a sample (watched / all three seeded):")
+            for noise, r in iso.items():
+                print(f"  {noise:>7}: {r['watched']:6.2f} / {r['all_three']:6.2f}", flush=True)
         if 0 in a.workers:
             costs = fetch_costs(data, batch, 200 if a.quick else 1000, root)
             added = costs["unbroken"] - costs["plain"]
