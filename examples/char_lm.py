@@ -121,6 +121,13 @@ def main() -> int:
     )
     p.add_argument("--no-amp", action="store_true", help="disable bf16 autocast + GradScaler")
     p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: this rank's GPU (under torchrun cuda:LOCAL_RANK); see docs/resume.md for "
+        "the settings a bitwise GPU resume needs (unbroken.make_deterministic())",
+    )
+    p.add_argument(
         "--canonical-shards",
         type=int,
         default=0,
@@ -137,17 +144,20 @@ def main() -> int:
         p.error(f"--batch-size {a.batch_size} must be a multiple of --canonical-shards {shards}")
 
     torch.set_num_threads(a.threads)
+    if a.device == "cuda":
+        unbroken.make_deterministic()  # unbroken: deterministic kernels, before CUDA is used
     rank, world = unbroken.init_distributed()  # unbroken: torchrun / srun; a no-op otherwise
+    device = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else None
     unbroken.seed_everything(a.seed)  # unbroken (or torch.manual_seed: model init must be seeded)
     data = Crops(CORPUS.read_text(encoding="utf-8"), a.context, stride=a.context // 2)
-    model = CharLM(len(data.chars), a.context)
+    model = CharLM(len(data.chars), a.context).to(device)
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_at(s, a.steps, a.lr, warmup=a.steps // 10) / a.lr
     )
     amp = not a.no_amp
-    scaler = torch.amp.GradScaler("cpu", enabled=amp)
+    scaler = torch.amp.GradScaler(a.device, enabled=amp)
     ema = unbroken.EMA(model, decay=0.99)  # unbroken
     loader = unbroken.DataLoader(  # unbroken: a drop-in for torch's DataLoader; batch_size is
         data,  # the global batch: each of the ranks gets its slice
@@ -177,11 +187,13 @@ def main() -> int:
     model.train()
 
     def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        with torch.autocast(a.device, dtype=torch.bfloat16, enabled=amp):
             logits = net(x)
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
     for x, y in run.loop(loader):  # unbroken: batches across epochs until max_steps
+        if device is not None:
+            x, y = x.to(device), y.to(device)
         if canon is None:
             loss = loss_of(x, y)
             scaler.scale(loss).backward()

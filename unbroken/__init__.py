@@ -13,6 +13,7 @@ from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointWriteError,
+    CollectiveTimeoutError,
     ConfigError,
     ConfigTypeError,
     CorruptCheckpointError,
@@ -35,6 +36,7 @@ if _ProcessContext.read().supervised:
     install_signal_handlers()
 
 if TYPE_CHECKING:
+    from ._determinism import determinism_problems, make_deterministic
     from ._launch import init_distributed
     from ._trackers import (
         tensorboard_purge_step,
@@ -105,8 +107,10 @@ _LAZY = {
     "WarmupCosine": ".train",
     "WordVocab": ".data",
     "compare_runs": ".verify",
+    "determinism_problems": "._determinism",
     "export_weights": ".train",
     "init_distributed": "._launch",
+    "make_deterministic": "._determinism",
     "protect_workers": ".data",
     "read_metrics": ".train",
     "seed_everything": ".data",
@@ -141,6 +145,7 @@ __all__ = [
     "CheckpointReader",
     "CheckpointStore",
     "CheckpointWriteError",
+    "CollectiveTimeoutError",
     "ConfigError",
     "ConfigTypeError",
     "Constant",
@@ -176,9 +181,11 @@ __all__ = [
     "WordVocab",
     "__version__",
     "compare_runs",
+    "determinism_problems",
     "export_weights",
     "init_distributed",
     "install_signal_handlers",
+    "make_deterministic",
     "protect_workers",
     "read_metrics",
     "seed_everything",

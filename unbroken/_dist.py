@@ -1,17 +1,130 @@
-"""Thin helpers over torch.distributed that are no-ops in a single process."""
+"""Thin helpers over torch.distributed that are no-ops in a single process.
+
+The collectives unbroken issues itself (stop agreement, commit verdict, resume choice) have
+bounded waits: NCCL (and a gloo peer that is alive but stuck elsewhere) makes a collective
+with a dead rank hang rather than fail. Each is issued asynchronously and polled until
+:data:`TIMEOUT` seconds; then every rank that gave up leaves a mark in the run directory
+(:func:`set_report_dir`), waits a short grace for the others' marks, and raises
+:class:`CollectiveTimeoutError` naming the ranks that left none.
+"""
 
 from __future__ import annotations
 
 import atexit
 import ctypes
 import gc
+import itertools
+import os
+import pickle
 import sys
+import time
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from ._errors import CollectiveTimeoutError
+
 T = TypeVar("T")
+
+TIMEOUT = 600.0
+"""Seconds a rank waits in one of unbroken's collectives before it names who did not answer."""
+GRACE = 10.0
+"""Seconds a rank that gave up waits for the others' marks (they give up at about the same
+time: each started the same collective)."""
+_report_dir: str | None = None
+# Per kind of collective: each kind is issued in the same order on every rank (the commit
+# verdict of a background save runs beside the training thread's stop agreement).
+_seq: dict[str, itertools.count[int]] = {}
+
+
+def set_report_dir(path: str | None) -> None:
+    """Where ranks leave their marks after a timed-out collective (the run directory)."""
+    global _report_dir
+    _report_dir = path
+
+
+def set_timeout(seconds: float) -> None:
+    global TIMEOUT
+    TIMEOUT = float(seconds)
+
+
+def bounded(work: Any, what: str, timeout: float | None = None) -> None:
+    """Wait for the async collective ``work`` at most ``timeout`` seconds (default
+    :data:`TIMEOUT`); then raise CollectiveTimeoutError naming the ranks that did not answer."""
+    seq = next(_seq.setdefault(what, itertools.count()))
+    limit = TIMEOUT if timeout is None else timeout
+    if not _wait(work, limit):
+        missing = _who_is_missing(f"{seq}-{what}")
+        who = (
+            f"rank(s) {', '.join(map(str, missing))} did not answer"
+            if missing
+            else "every rank answered late (the collective itself is stuck)"
+            if missing == []
+            else "which rank did not answer is unknown (no run directory to compare in)"
+        )
+        raise CollectiveTimeoutError(
+            f"rank {rank()}: the {what} did not complete within {limit:g} s: {who}. A "
+            "rank that died or hangs elsewhere stops the others here; look at its log, "
+            "then relaunch (every rank resumes from the last checkpoint)",
+            missing=missing,
+        )
+
+
+def _wait(work: Any, limit: float) -> bool:
+    """Whether ``work`` completed within ``limit`` seconds (its own error is raised)."""
+    if _blocking_wait is not False:
+        # gloo's wait() takes a timeout and blocks without polling; NCCL's returns at once
+        # (it only orders the streams), so there the completion is polled.
+        try:
+            work.wait(timeout=timedelta(seconds=limit))
+            if work.is_completed():
+                return True
+        except RuntimeError as e:
+            if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+                raise
+            return False
+    end = time.monotonic() + limit
+    pause = 0.0001
+    while not work.is_completed():
+        if time.monotonic() >= end:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+    work.wait()  # raises the backend's own error, if the collective failed
+    return True
+
+
+_blocking_wait: bool | None = None  # None: try wait(timeout) first (gloo); False: poll only
+
+
+def _who_is_missing(tag: str) -> list[int] | None:
+    """The ranks that left no mark for ``tag`` within the grace (None: nowhere to look)."""
+    if _report_dir is None:
+        return None
+    launch = "-".join(
+        os.environ.get(k, "")
+        for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT")
+    )  # marks of an earlier launch of this run must not count
+    d = os.path.join(_report_dir, ".unbroken-timeouts", f"{launch}-{tag}".replace(os.sep, "_"))
+    try:
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, f"rank-{rank()}"), "w"):
+            pass
+    except OSError:
+        return None
+    world = world_size()
+    end = time.monotonic() + GRACE
+    while True:
+        try:
+            here = {int(n.split("-")[1]) for n in os.listdir(d) if n.startswith("rank-")}
+        except (OSError, ValueError):
+            return None
+        missing = [r for r in range(world) if r not in here]
+        if not missing or time.monotonic() >= end:
+            return missing
+        time.sleep(0.1)
 
 
 def active() -> bool:
@@ -26,9 +139,9 @@ def world_size() -> int:
     return dist.get_world_size() if active() else 1
 
 
-def barrier(group: Any = None) -> None:
+def barrier(group: Any = None, what: str = "barrier") -> None:
     if active():
-        dist.barrier(group=group)
+        bounded(dist.barrier(group=group, async_op=True), what)
 
 
 def all_gather_object(obj: T, group: Any = None) -> list[T]:
@@ -39,30 +152,41 @@ def all_gather_object(obj: T, group: Any = None) -> list[T]:
     return out
 
 
-def broadcast_object(obj: T, src: int = 0) -> T:
+def broadcast_object(obj: T, src: int = 0, what: str = "broadcast") -> T:
+    """``obj`` of rank ``src`` on every rank (pickled between ranks of one job, as torch's
+    ``broadcast_object_list`` does; never read from a file)."""
     if not active():
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+    device = _device()
+    data = pickle.dumps(obj) if rank() == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    bounded(dist.broadcast(size, src=src, async_op=True), what)
+    buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    if rank() == src:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    bounded(dist.broadcast(buf, src=src, async_op=True), what)
+    if rank() == src:
+        return obj
+    out: T = pickle.loads(buf.cpu().numpy().tobytes())
+    return out
 
 
-def any_true(flag: bool, group: Any = None) -> bool:
+def any_true(flag: bool, group: Any = None, what: str = "agreement") -> bool:
     """True on every rank if ``flag`` is true on any rank (an agreement point)."""
     if not active():
         return flag
     device = _device(group)
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    bounded(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True), what)
     return bool(t.item())
 
 
-def sum_floats(values: list[float]) -> list[float]:
+def sum_floats(values: list[float], what: str = "stop agreement") -> list[float]:
     """Element-wise sum over ranks, in float64 (one collective)."""
     if not active():
         return values
     t = torch.tensor(values, dtype=torch.float64, device=_device())
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    bounded(dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True), what)
     return [float(v) for v in t.tolist()]
 
 

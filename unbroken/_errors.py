@@ -9,6 +9,7 @@ to which path or component, and what to do next::
     ├── StateError                           tracked state and checkpoint disagree
     ├── DataError                            a loader cannot continue its saved position
     ├── LockError                            another process writes this run directory
+    ├── CollectiveTimeoutError               a rank did not answer a collective in time
     └── CheckpointError
         ├── CheckpointNotFoundError          no (valid) checkpoint where one was required
         ├── CorruptCheckpointError           size, checksum, file set or manifest is wrong
@@ -64,6 +65,15 @@ class ResumeWarning(UserWarning):
 
 class DataError(UnbrokenError):
     """A loader's saved position does not fit the dataset it is asked to continue."""
+
+
+class CollectiveTimeoutError(UnbrokenError):
+    """A collective unbroken issued (stop agreement, commit, resume choice) did not complete
+    in time; ``missing`` holds the ranks that did not answer, where known."""
+
+    def __init__(self, *args: Any, missing: list[int] | None = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.missing = missing
 
 
 class LockError(UnbrokenError):

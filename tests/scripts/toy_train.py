@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
 import signal
 import sys
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -29,10 +31,11 @@ faults.install_from_env()  # a fault plan, when the test that launched this aske
 class Noisy(torch.utils.data.Dataset):
     """y = x @ w + noise; the noise is the 'augmentation' that must replay exactly."""
 
-    def __init__(self, n: int, protocol: bool) -> None:
+    def __init__(self, n: int, protocol: bool, noise: str = "torch", late: int = -1) -> None:
         g = torch.Generator().manual_seed(1234)
         self.x = torch.randn(n, 8, generator=g)
         self.y = self.x @ torch.randn(8, 1, generator=g)
+        self.noise, self.late = noise, late
         if protocol:
             self.get_sample = self._get_sample
 
@@ -41,7 +44,15 @@ class Noisy(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int):
         # Global RNG inside a worker or the main process: unbroken seeds it per sample.
-        return self.x[i] + 0.1 * torch.randn(8), self.y[i]
+        if self.noise == "numpy":
+            noise = torch.from_numpy(np.random.randn(8).astype(np.float32))
+        elif self.noise == "python" or (self.noise == "late" and i == self.late):
+            noise = torch.tensor([random.gauss(0.0, 1.0) for _ in range(8)])
+        elif self.noise == "late":
+            noise = torch.zeros(8)  # no global stream drawn from
+        else:
+            noise = torch.randn(8)
+        return self.x[i] + 0.1 * noise, self.y[i]
 
     def _get_sample(self, i: int, generator: torch.Generator):
         return self.x[i] + 0.1 * torch.randn(8, generator=generator), self.y[i]
@@ -61,6 +72,13 @@ def main() -> None:
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--scaler", action="store_true")
     p.add_argument("--protocol", action="store_true", help="dataset.get_sample(i, generator)")
+    p.add_argument(
+        "--noise",
+        choices=["torch", "numpy", "python", "late"],
+        default="torch",
+        help="the global stream the dataset draws from (late: Python's, for one sample only, "
+        "first fetched at step 4)",
+    )
     p.add_argument("--n", type=int, default=96)
     p.add_argument("--style", choices=["loop", "epochs"], default="loop")
     p.add_argument("--async-save", action="store_true")
@@ -85,7 +103,8 @@ def main() -> None:
     )
     ema = unbroken.EMA(model, decay=0.9)
     loader = unbroken.DataLoader(
-        Noisy(a.n, a.protocol),
+        # The late sample: position 27 of epoch 0's order, i.e. in the 4th batch of 8.
+        Noisy(a.n, a.protocol, a.noise, int(unbroken.data.epoch_order(7, 0, a.n, True)[27])),
         batch_size=a.batch_size,
         shuffle=True,
         seed=7,

@@ -73,7 +73,11 @@ class LoaderBase:
 def is_loader(obj: Any) -> bool:
     """A component Run treats as a loader: one meeting :class:`Loader`, or tagged so by an
     integration that predates the protocol (``kind = "loader"``)."""
-    return isinstance(obj, Loader) or getattr(obj, "kind", None) == "loader"
+    if getattr(obj, "kind", None) == "loader":
+        return True
+    # Run asks at every step; a runtime protocol check costs ~10 us an object, so objects
+    # lacking one of its attributes (models, optimizers) are answered without it.
+    return hasattr(obj, "yielded_batches") and isinstance(obj, Loader)
 
 
 def check_world(name: str, loader: Any, rank: int, world_size: int) -> None:

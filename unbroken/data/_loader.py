@@ -28,6 +28,7 @@ import torch.utils.data as tud
 from .._errors import ConfigError, DataError
 from . import _seeding, _workers
 from ._contract import LoaderBase
+from ._streams import SampleSeeder
 
 LOADER_VERSION = 1
 
@@ -76,32 +77,26 @@ class _SeededFetch(tud.Dataset[Any]):
     def __init__(self, dataset: Any, seed: int, reseed_globals: Any) -> None:
         self.dataset = dataset
         self.seed = seed
-        self.streams = _seeding.streams_of(reseed_globals)
+        self.seeder = SampleSeeder(seed, reseed_globals)
         self.protocol = callable(getattr(dataset, "get_sample", None))
         self.batched = callable(getattr(dataset, "__getitems__", None))
 
-    def _one(self, key: tuple[int, int]) -> Any:
-        epoch, index = key
-        s = _seeding.sample_seed(self.seed, epoch, index)
-        if self.protocol:
-            g = torch.Generator()
-            g.manual_seed(s)
-            return self.dataset.get_sample(index, g)
-        if self.streams:
-            _seeding.seed_globals(s, self.streams)
-        return self.dataset[index]
+    def _generated(self, key: tuple[int, int]) -> Any:
+        g = torch.Generator()
+        g.manual_seed(_seeding.sample_seed(self.seed, *key))
+        return self.dataset.get_sample(key[1], g)
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
         return self.__getitems__([key])[0]
 
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
-        if not self.protocol and not self.streams and self.batched:
-            # Nothing to seed per sample: let the dataset fetch the batch its own way.
-            return list(self.dataset.__getitems__([i for _, i in keys]))
-        if self.protocol or not self.streams or tud.get_worker_info() is not None:
-            return [self._one(k) for k in keys]
-        with _seeding.preserved_globals(self.streams):
-            return [self._one(k) for k in keys]
+        if self.protocol:
+            return [self._generated(k) for k in keys]
+        if not self.seeder.active:
+            if self.batched:  # nothing to seed per sample: the dataset fetches its own way
+                return list(self.dataset.__getitems__([i for _, i in keys]))
+            return [self.dataset[i] for _, i in keys]
+        return self.seeder.fetch(self.dataset.__getitem__, keys)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -113,8 +108,9 @@ class DataLoader(LoaderBase):
     ``batch_size`` is the *global* batch size (all ranks together) and may be changed at any
     time, e.g. by a schedule. ``rank``/``world_size`` default to torch.distributed's.
     ``reseed_globals``: which global random streams ``dataset[i]`` gets seeded from (seed,
-    epoch, i) -- True (Python's, NumPy's and torch's), False, or some of ``"python"``,
-    ``"numpy"``, ``"torch"`` (fewer is faster); a dataset with ``get_sample(i, generator)``
+    epoch, i) -- True (each of Python's, NumPy's and torch's that the dataset draws from,
+    found by watching them), False, or some of ``"python"``, ``"numpy"``, ``"torch"``
+    (seeded for every sample, watched or not); a dataset with ``get_sample(i, generator)``
     gets a generator instead.
 
     Example::

@@ -1,7 +1,9 @@
 """Asynchronous saving: training waits only for a copy into reused host buffers.
 
-``save()`` snapshots every tensor of the payload into a buffer kept from the previous save
-(pinned when CUDA is present), then writes, checksums and commits in a background thread. At most
+``save()`` snapshots every tensor of the payload into a buffer kept from the previous save,
+then writes, checksums and commits in a background thread. GPU tensors go into pinned buffers
+on a side stream (store/_staging.py): training waits only until those copies are issued, and
+the background thread waits for them to finish before it writes. At most
 one save is in flight: a new one first waits for the previous (so every triggered save happens,
 in order). An error of a background save is raised by the next ``save()``, ``check()`` or
 ``wait()`` -- the run calls ``check()`` at every step and ``wait()`` before a signal-triggered
@@ -33,8 +35,8 @@ from .. import _log
 from .._errors import CheckpointWriteError
 from ..state import Payload
 from ..state._adapters import _is_dtensor
-from . import _par
 from ._direct import one_thread
+from ._staging import Stage, Staged
 from ._store import CheckpointStore
 
 log = _log.get("store")
@@ -45,7 +47,7 @@ class AsyncSaver:
     def __init__(self, store: CheckpointStore, group: Any = None) -> None:
         self.store = store
         self.group = group
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._stage = Stage()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._step: int | None = None
@@ -63,16 +65,18 @@ class AsyncSaver:
         """Snapshot now; write and commit ``step`` in the background, then call ``after(step)``."""
         self.wait()
         t0 = time.perf_counter()
+        tensors, staged = self._snapshot(payload.tensors)
         snap = Payload(
             global_trees=payload.global_trees,
             local_trees=payload.local_trees,
-            tensors=self._snapshot(payload.tensors),
+            tensors=tensors,
             kinds=payload.kinds,
         )
         self.last_blocking_seconds = time.perf_counter() - t0
 
         def work() -> None:
             try:
+                staged.wait()  # copies from a GPU: done before a byte is written
                 self.store.save(step, snap, meta, group=self.group)
                 if after is not None:
                     after(step)
@@ -108,30 +112,14 @@ class AsyncSaver:
         """The error of a finished background save that nobody has raised yet."""
         return self._error
 
-    def _snapshot(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _snapshot(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Staged]:
         names = list(tensors)
         src = [tensors[n].detach() for n in names]
         local: list[torch.Tensor] = [t.to_local() if _is_dtensor(t) else t for t in src]  # type: ignore[attr-defined]
-        bufs = [self._buffer(n, t) for n, t in zip(names, local, strict=True)]
-        pairs = list(zip(bufs, local, strict=True))
         with one_thread():
-            if all(t.device.type == "cpu" for t in local):
-                nbytes = sum(t.numel() * t.element_size() for t in local)
-                _par.each(pairs, lambda p: p[0].copy_(p[1]), nbytes)
-            else:
-                for buf, t in pairs:
-                    buf.copy_(t, non_blocking=True)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return {n: _wrap(b, t) for n, b, t in zip(names, bufs, src, strict=True)}
-
-    def _buffer(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers.get(name)
-        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
-            pin = torch.cuda.is_available() and local.device.type == "cuda"
-            buf = torch.empty(local.shape, dtype=local.dtype, pin_memory=pin)
-            self._buffers[name] = buf
-        return buf
+            staged = self._stage.copy(names, local)
+        out = {n: _wrap(b, t) for n, b, t in zip(names, staged.tensors, src, strict=True)}
+        return out, staged
 
 
 def _wrap(buf: torch.Tensor, t: Any) -> torch.Tensor:

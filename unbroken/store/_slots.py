@@ -33,6 +33,7 @@ import xxhash
 from .._errors import UnsafeCheckpointError
 from . import _direct, _fsops, _layout, _par
 from ._format import ALIGN
+from ._staging import Stage
 
 SLOTS = "slots"
 _EMPTY = xxhash.xxh3_64_hexdigest(b"")
@@ -111,6 +112,7 @@ class Slots:
         self._current: dict[str, int] = {}  # data file -> the slot its newest commit links
         self._pending: dict[str, int] = {}  # written for the save in progress
         self._names: set[str] = set()  # the data files this process (rank) writes
+        self._stage = Stage()  # pinned host buffers for GPU tensors
 
     def path(self, name: str, idx: int) -> str:
         return os.path.join(self.dir, f"{name}.{idx}")
@@ -123,7 +125,7 @@ class Slots:
         name = os.path.basename(path)
         self._names.add(name)
         idx = 1 - self._in_use(name)
-        items = [(key, t.detach()) for key, t in tensors]
+        items = self._on_host([(key, t.detach()) for key, t in tensors])
         layout, pos = [], 0
         for _, t in items:
             start = -(-pos // ALIGN) * ALIGN
@@ -158,6 +160,18 @@ class Slots:
         os.link(slot.path, path, follow_symlinks=False)
         self._pending[name] = idx
         return out, pos
+
+    def _on_host(self, items: list[tuple[Any, torch.Tensor]]) -> list[tuple[Any, torch.Tensor]]:
+        """GPU tensors copied first into reused pinned buffers (at the link's speed, where a
+        copy into the pageable slot mapping would crawl); CPU tensors as they are."""
+        gpu = [i for i, (_, t) in enumerate(items) if t.device.type == "cuda"]
+        if not gpu:
+            return items
+        host = self._stage.copy([str(items[i][0]) for i in gpu], [items[i][1] for i in gpu])
+        out = list(items)
+        for i, t in zip(gpu, host.wait(), strict=True):
+            out[i] = (items[i][0], t)
+        return out
 
     def committed(self) -> None:
         """The save in progress committed: its slots are now the ones not to overwrite."""

@@ -321,7 +321,7 @@ class CheckpointStore:
                 pass  # committed already; clean_stale() removes the leftover copy
 
     def _agree(self, err: BaseException | None, tmp: str, step: int, group: Any = None) -> None:
-        failed = _dist.any_true(err is not None, group)
+        failed = _dist.any_true(err is not None, group, what="commit verdict")
         if not failed:
             return
         if _dist.rank() == 0:

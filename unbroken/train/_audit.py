@@ -25,6 +25,7 @@ from .._errors import ConfigError, ResumeWarning, StateError
 from ..data._contract import is_loader
 from ..state import Registry
 from ..state._adapters import unwrap
+from ..state._rng import cuda_states
 
 log = logging.getLogger("unbroken.run")
 
@@ -123,8 +124,9 @@ def _streams(registry: Registry) -> dict[str, Any]:
         out["the torch global RNG (torch.rand, dropout)"] = torch.get_rng_state().numpy().tobytes()
         out["the NumPy global RNG (np.random.*)"] = _np_key(np.random.get_state())
         out["the Python global RNG (random.*)"] = random.getstate()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            out["the CUDA RNG"] = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
+        cuda = cuda_states(getattr(registry.get("rng"), "devices", None))
+        if cuda:
+            out["the CUDA RNG"] = cuda
     for c in registry:
         if getattr(c.adapter, "kind", None) == "generator":
             out[f"the tracked generator {c.name!r}"] = repr(c.adapter.state_dict())

@@ -366,9 +366,12 @@ def _running_stats(m: torch.nn.Module) -> bool:
 @contextmanager
 def _forked_rng(seed: int) -> Iterator[None]:
     """Draws inside the block come from ``seed``; the rank's own streams are put back after."""
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    # This rank's device only: touching another device's generator creates a context there.
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
+        if devices:
+            torch.cuda.manual_seed(seed)
         yield
 
 

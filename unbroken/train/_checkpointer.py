@@ -69,7 +69,8 @@ class Checkpointer:
             except BaseException:
                 self.lock.release()
                 raise
-        _dist.barrier()
+        _dist.set_report_dir(self.dir)  # where a timed-out collective names who did not answer
+        _dist.barrier(what="start-up barrier")
         self.snapshots = Snapshots(
             self._snapshot_dir, self._snapshot_every, rank=self.rank, run_dir=self.dir
         )

@@ -74,7 +74,7 @@ class Resumer:
                 if self.world_size == 1:
                     raise
                 choice = (None, f"{type(e).__name__}: {e}")  # told to every rank, then raised
-        step, error = _dist.broadcast_object(choice)
+        step, error = _dist.broadcast_object(choice, what="resume choice")
         if error is not None:
             raise ConfigError(f"choosing the checkpoint to resume from failed on rank 0: {error}")
         if step is None:

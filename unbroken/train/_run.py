@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from .. import _dist, _signals, _stops
+from .._determinism import warn_determinism
 from .._errors import ConfigError
 from .._exit import EXIT_RESUMABLE
 from .._protocol import ProcessContext
@@ -90,6 +91,7 @@ class Run:
         _dist.clean_exit()  # several ranks: exit with our status, never the backend's abort
         self.counters = Counters(stage=cfg.stage)
         self.registry = track(kwargs, self.counters, cfg, self.rank, self.world_size)
+        warn_determinism()  # on CUDA: the settings that make a bitwise resume impossible
         process = ProcessContext.read()
         self._events = Events(self.dir, self.counters, on_save=cfg.on_save, on_resume=cfg.on_resume)
         self._checkpointer = Checkpointer(
