@@ -6,4 +6,9 @@ ruff check unbroken tests examples bench
 mypy unbroken
 # Two workers, one test file each at a time (module fixtures run once; a file's end-to-end runs
 # stay in order): about half the wall time on 2 cores. UNBROKEN_TEST_WORKERS=0 runs in-process.
+if [ "${1:-}" = "--fast" ]; then
+    # The fast tier: in-process tests only (tests/conftest.py FAST_MODULES), about a minute.
+    shift
+    exec python -m pytest -q -m fast "$@"
+fi
 exec python -m pytest -q -n "${UNBROKEN_TEST_WORKERS:-2}" --dist loadfile "$@"

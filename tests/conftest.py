@@ -39,3 +39,35 @@ def _launch_environment_unchanged() -> Iterator[None]:
     yield
     after = {k: os.environ.get(k) for k in _LAUNCH_ENV}
     assert after == before, f"the test changed the launch environment: {before} -> {after}"
+
+
+# The fast tier (`./scripts/test.sh --fast`): modules whose tests run in this process, start no
+# other process and no server, and each take well under a second; about a minute in all.
+FAST_MODULES = frozenset(
+    {
+        "test_audit",
+        "test_cli_umask",
+        "test_config_api",
+        "test_data_streams",
+        "test_determinism",
+        "test_direct_writer",
+        "test_format_compat",
+        "test_hooks",
+        "test_parallel_copy",
+        "test_policy",
+        "test_rng_cuda",
+        "test_run",
+        "test_staging",
+        "test_store_corrupt",
+        "test_store_retention",
+        "test_store_unsafe_v1",
+        "test_triggers",
+        "test_untracked_parameter",
+    }
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.stem in FAST_MODULES:
+            item.add_marker(pytest.mark.fast)

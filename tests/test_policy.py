@@ -17,7 +17,6 @@ from unbroken.cli._policy import (
     policy,
 )
 
-pytestmark = pytest.mark.fast
 
 TERM, INT, USR1, HUP, KILL = (
     -signal.SIGTERM,

@@ -7,7 +7,6 @@ import pytest
 from unbroken import RunConfig
 from unbroken.train._triggers import Clock, Seen, decide, next_save_text, observe
 
-pytestmark = pytest.mark.fast
 
 
 def test_step_count_and_final_saves() -> None:
