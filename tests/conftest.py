@@ -47,6 +47,7 @@ FAST_MODULES = frozenset(
     {
         "test_audit",
         "test_cli_umask",
+        "test_api_docs",
         "test_config_api",
         "test_data_streams",
         "test_determinism",

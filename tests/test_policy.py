@@ -17,7 +17,6 @@ from unbroken.cli._policy import (
     policy,
 )
 
-
 TERM, INT, USR1, HUP, KILL = (
     -signal.SIGTERM,
     -signal.SIGINT,

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 from unbroken import RunConfig
 from unbroken.train._triggers import Clock, Seen, decide, next_save_text, observe
-
 
 
 def test_step_count_and_final_saves() -> None:

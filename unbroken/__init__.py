@@ -6,9 +6,9 @@ command, e.g. the supervisor) does not pay for importing torch until it is neede
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from . import _lazy
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -123,17 +123,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'unbroken' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = _lazy.exports(__name__, _LAZY)
 
 
 __all__ = [

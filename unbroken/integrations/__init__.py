@@ -15,8 +15,9 @@ Each adapter lives in its own module and imports its framework only when it is u
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .. import _lazy
 
 if TYPE_CHECKING:
     from ._accelerate import accelerate_run
@@ -30,17 +31,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'unbroken.integrations' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = _lazy.exports(__name__, _LAZY)
 
 
 __all__ = ["LightningResume", "UnbrokenTrainer", "accelerate_run"]

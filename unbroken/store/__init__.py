@@ -1,13 +1,14 @@
 """Store layer: the run directory, commit protocol, checksums, scanning, retention, lock.
 
 The names are imported lazily: listing and pinning checkpoints (``unbroken ls``, ``pin``) go
-through _store, _reader, _table and _manifest only, and never import torch.
+through _store, _reader and _manifest only, not the writers.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .. import _lazy
 
 if TYPE_CHECKING:
     from ._async import AsyncSaver
@@ -49,13 +50,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    globals()[name] = value  # once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy.exports(__name__, _LAZY)

@@ -11,11 +11,9 @@ from ._compare import VOLATILE, Comparison, Difference, compare_runs
 from ._errors import ScriptFailedError, VerifyError
 from ._plan import Target, plan_interrupts
 from ._report import Interruption, VerifyReport
-from ._runner import ENV_KEEP_ALL, ENV_RUN_DIR, PLACEHOLDER, verify_resume
+from ._runner import PLACEHOLDER, verify_resume
 
 __all__ = [
-    "ENV_KEEP_ALL",
-    "ENV_RUN_DIR",
     "PLACEHOLDER",
     "VOLATILE",
     "Comparison",
