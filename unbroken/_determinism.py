@@ -13,12 +13,13 @@ CUDA (torch's CPU kernels give the same bits run to run here).
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger("unbroken")
+from . import _log
+
+log = _log.get()
 
 CUBLAS_VAR = "CUBLAS_WORKSPACE_CONFIG"
 CUBLAS_OK = (":4096:8", ":16:8")  # the values cuBLAS documents as deterministic

@@ -27,7 +27,6 @@ cached Gaussian escapes that; a dataset that does so is the put-back case above.
 from __future__ import annotations
 
 import ctypes
-import logging
 import random
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,9 +35,10 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
+from .. import _log
 from . import _seeding
 
-log = logging.getLogger("unbroken.data")
+log = _log.get("data")
 
 _MT_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624], int pos
 

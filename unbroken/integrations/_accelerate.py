@@ -20,12 +20,12 @@ is refused; ``unbroken.DataLoader`` passes through ``prepare`` unchanged and is 
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
+from .. import _log
 from .._errors import ConfigError
 
-log = logging.getLogger("unbroken")
+log = _log.get()
 
 # Tested: one process, or DDP. Sharding engines keep their own optimizer state layout.
 _UNTESTED = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA", "TP")

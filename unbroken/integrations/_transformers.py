@@ -27,17 +27,17 @@ private names of transformers 5.23 (hence the extra's ``<6``):
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
+from .. import _log
 from .._errors import ConfigError
 from ..train._config import RunConfig
 from ._eval import protect_eval_loader
 
-log = logging.getLogger("unbroken")
+log = _log.get()
 
 # Run options that make sense under a framework's loop (RunConfig marks them), but for those
 # TrainingArguments already holds: max_steps, save_steps (save_every), save_total_limit

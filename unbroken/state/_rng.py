@@ -13,7 +13,6 @@ the node has. What cannot be exact is named (:func:`cuda_plan`).
 
 from __future__ import annotations
 
-import logging
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -21,10 +20,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import _log
 from .._errors import StateError
 
 RNG_VERSION = 1
-log = logging.getLogger("unbroken.state")
+log = _log.get("state")
 
 
 # ---- the CUDA boundary (the only functions that touch CUDA; tests stub these) -----------------

@@ -26,12 +26,11 @@ What survives what: a crash, kill -9 or OOM kill of the trainer -> the snapshot 
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 from typing import Any
 
-from .. import _shm
+from .. import _log, _shm
 from .._errors import CheckpointError, CheckpointWriteError, LockError
 from .._logfile import METRICS_FILE
 from .._shm import ENV as ENV
@@ -43,7 +42,7 @@ from ._safeio import safe_file
 from ._slots import Slots
 from ._store import CheckpointStore, Retention
 
-log = logging.getLogger("unbroken")
+log = _log.get()
 
 
 class SnapshotsOff(Exception):

@@ -9,7 +9,6 @@ when it ranks its hints. docs/resume.md, "What unbroken checks for you", lists t
 
 from __future__ import annotations
 
-import logging
 import random
 import warnings
 import weakref
@@ -21,13 +20,14 @@ import torch
 import torch.optim.optimizer as optim_hooks
 import torch.utils.data as tud
 
+from .. import _log
 from .._errors import ConfigError, ResumeWarning, StateError
 from ..data._contract import is_loader
 from ..state import Registry
 from ..state._adapters import unwrap
 from ..state._rng import cuda_states
 
-log = logging.getLogger("unbroken.run")
+log = _log.get("run")
 
 
 # ---- data sources with no position ----------------------------------------------------------

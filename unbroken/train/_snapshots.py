@@ -9,17 +9,16 @@ collective), so the interval is decided on rank 0 and broadcast once.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import _dist
+from .. import _dist, _log
 from ..store import CheckpointReader
 from ..store._snapshot import SnapshotArea, SnapshotsOff
 
-log = logging.getLogger("unbroken")
+log = _log.get()
 BUDGET = 0.02
 """Snapshots may cost this fraction of the training time."""
 
