@@ -27,15 +27,43 @@ Misuse that would make a stop silently ignored is named where it shows (:func:`c
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .. import _log, _signals
 from .._errors import ConfigError
-
-if TYPE_CHECKING:
-    from ._run import Run
+from ..state import Counters
+from ._events import Events
+from ._signals import StopRequest
 
 log = _log.get("run")
+
+class Run(Protocol):
+    """What honouring a stop needs of :class:`unbroken.Run` (its own stop protocol: count,
+    save, close, exit 75); declared here so that this module does not import ``_run``."""
+
+    _stop: StopRequest
+    _marks: tuple[int, int]
+    _events: Events
+    counters: Counters
+    world_size: int
+    stopped: bool
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def last_saved_step(self) -> int | None: ...
+
+    def _loader_marks(self) -> tuple[int, int]: ...
+
+    def _loaders(self) -> list[Any]: ...
+
+    def save(self, *, blocking: bool | None = None) -> str: ...
+
+    def _halt(self, reason: str, *, saved: bool = True) -> bool: ...
+
+    def close(self) -> None: ...
+
 
 _FIX = (
     "call run.step(loss=...) once per optimizer step, after optimizer.step(); without it "
