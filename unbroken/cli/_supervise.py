@@ -9,8 +9,10 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
+from importlib import import_module
 from types import FrameType
 from typing import Any
 
@@ -183,7 +185,7 @@ class Supervisor:
             a.max_restarts, a.max_retries, a.backoff, a.max_backoff, a.reset_after
         )
         history = _policy.History()
-        persisted: int | None = None  # the newest step a crash's snapshot was kept at
+        mark: int | None = None  # the newest step the run could resume from at the last crash
         while True:
             att, end = self._attempt()
             if end.returncode is None:
@@ -195,8 +197,9 @@ class Supervisor:
             if verdict.died:
                 step, note = self._persist_snapshot()
                 notes.append(note)
-                progressed = step is not None and (persisted is None or step > persisted)
-                persisted = step if step is not None else persisted
+                newest = self._newest_step(step)
+                progressed = newest is not None and (mark is None or newest > mark)
+                mark = newest if newest is not None else mark
             att.note = "; ".join(filter(None, notes))
             decision = self._decide(verdict, history, limits, att, progressed, job)
             if decision.action is _policy.Action.REQUEUE:
@@ -282,8 +285,8 @@ class Supervisor:
 
     def _persist_snapshot(self) -> tuple[int | None, str]:
         """After a death: commit the trainer's newest in-memory snapshot durably, if it is
-        newer than its last checkpoint (imports torch, once per crash). Returns (its step,
-        a note for the report)."""
+        newer than its last checkpoint (the store and torch: imported at start-up, see
+        :func:`_preimport`). Returns (its step, a note for the report)."""
         if self.shm is None or not self.shm.may_hold_snapshot():
             return None, ""
         from ..store._snapshot import persist_own
@@ -297,6 +300,19 @@ class Supervisor:
             return None, ""
         # Said once, in the attempt line.
         return got[0], f"kept the in-memory snapshot of step {got[0]}"
+
+    def _newest_step(self, persisted: int | None) -> int | None:
+        """The newest step the run can resume from after a death: the snapshot just persisted,
+        or the newest durable checkpoint in the run directory the trainer told (a crash right
+        after a durable save persists nothing, and has made progress all the same)."""
+        run_dir = None if self.shm is None else self.shm.run_dir()
+        if run_dir is None:
+            return persisted
+        from ..store import _layout  # os and re only: no torch
+
+        durable = max((s for s, _ in _layout.scan(run_dir)), default=None)
+        known = [s for s in (persisted, durable) if s is not None]
+        return max(known, default=None)
 
     def _sleep(self, seconds: float) -> bool:
         # Short naps: time.sleep resumes after a signal (PEP 475), so it cannot be woken.
@@ -319,6 +335,26 @@ def _snapshot_area(args: argparse.Namespace) -> _shm.SupervisorArea | None:
     except (_shm.Refused, OSError) as e:
         _say(f"in-memory snapshots are off, durable saves only: {e}")
         return None
+
+
+def _preimport() -> threading.Thread:
+    """Import what persisting a snapshot needs (the store, torch: ~2 s) in the background,
+    while the first trainer starts, so the first crash does not pay for it. The thread runs at
+    the lowest priority (Linux: per thread) so that it does not slow the trainer's own start."""
+
+    def work() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass  # not Linux: the import just competes at normal priority
+        try:
+            import_module("unbroken.store._snapshot")
+        except Exception:  # the crash path imports it again and reports what fails there
+            pass
+
+    t = threading.Thread(target=work, name="unbroken-preimport", daemon=True)
+    t.start()
+    return t
 
 
 def _requeue(job: str) -> tuple[bool, str]:
@@ -386,6 +422,8 @@ def run(args: argparse.Namespace) -> int:
         pass  # no controlling terminal: nothing can deliver Ctrl-C to the child but us
     old = {s: signal.signal(s, sup._on_signal) for s in FORWARDED}
     t0 = time.monotonic()
+    if sup.shm is not None:
+        _preimport()
     if sup.shm is not None and _shm.any_stale():
         # Left by a supervisor that was killed itself: keep what it held, then free it.
         from ..store._snapshot import reap_stale

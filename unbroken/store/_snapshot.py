@@ -92,6 +92,13 @@ class SnapshotArea:
     def _used(self) -> int:
         return self.slots.used_bytes()
 
+    def tell(self, run_dir: str) -> None:
+        """Tell the supervisor the run directory (rank 0, once per directory): the only one
+        it persists snapshots into, and where it looks for durable progress after a crash."""
+        if _is_rank0() and run_dir != self._told:
+            _shm.tell_run_dir(self.root, run_dir)
+            self._told = run_dir
+
     def save(self, step: int, payload: Any, meta: dict[str, Any], group: Any = None) -> str | None:
         """Commit a snapshot of ``step``; its path, or None when it could not be written (a full
         ``/dev/shm``, say): :attr:`disabled` then says why, on every rank (the store agrees on
@@ -99,10 +106,8 @@ class SnapshotArea:
         if self.disabled is not None:
             return None
         run_dir = meta.get("run_dir")
-        if _is_rank0() and isinstance(run_dir, str) and run_dir != self._told:
-            # Before the snapshot: a supervisor persists only into the directory told here.
-            _shm.tell_run_dir(self.root, run_dir)
-            self._told = run_dir
+        if isinstance(run_dir, str):
+            self.tell(run_dir)  # before the snapshot: a supervisor persists only into it
         try:
             with _storage.data_files_into(self.slots):
                 path = self.store.save(step, payload, meta, group=group)

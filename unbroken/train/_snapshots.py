@@ -49,6 +49,10 @@ class Snapshots:
             # Every rank or none (a snapshot is collective); also: rank 0 cleaned first.
             if _dist.any_true(self.area is None):
                 self.area = None
+        if self.area is not None:
+            # At once, not at the first snapshot: a run that saves durably at every step takes
+            # none, and the supervisor still judges a crash's progress by this directory.
+            self.area.tell(run_dir)
 
     @property
     def active(self) -> bool:

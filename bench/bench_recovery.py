@@ -1,0 +1,178 @@
+"""Recovery under ``unbroken run``: from kill -9 of the trainer to its next trained step.
+
+    .venv/bin/python bench/bench_recovery.py [--kills N] [--rounds R] [--src LABEL=DIR ...]
+                                             [--opts LABEL='--backoff 0' ...]
+
+``unbroken run [opts] -- python examples/char_lm.py --steps 100000 --save-every 1000``: the
+trainer child is SIGKILLed at drawn moments (0.3-1.2 s after it logged its first step of the
+attempt), N times per supervisor; then the supervisor is stopped (SIGTERM). Every variant
+(a source tree x a set of options) runs once per round, the variants interleaved; medians
+(min-max) over every kill, and the first kill of each supervisor apart (it used to pay the
+supervisor's import of torch). Phases, from the run directory and the process table (polled
+every 2 ms):
+
+  kill -> new child       SIGKILL sent until the supervisor's new child exists (persisting the
+                          snapshot, the backoff, the fork)
+  child -> resumed        the new process until its ``resume`` event (metrics log): the
+                          interpreter, import torch + unbroken, the script's own set-up, opening
+                          the run directory, the restore
+  resumed -> first step   the first step after the restore is in the metrics log
+  kill -> first step      the sum: what a crash costs in wall time
+
+``--src LABEL=DIR`` runs the same bench against another checkout (``PYTHONPATH=DIR``), e.g.
+``--src main=/work/main --src branch=.``, to compare side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "char_lm.py"
+PHASES = ("kill_to_child", "child_to_resumed", "resumed_to_step", "kill_to_step")
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def _records(run: Path) -> list[dict]:
+    try:
+        with open(run / "metrics.jsonl", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            break  # a line being written
+    return out
+
+
+def _wait(cond, timeout: float = 180.0, every: float = 0.002):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(every)
+    raise TimeoutError("the trainer did not get there in time")
+
+
+def _steps_after(run: Path, n_records: int) -> bool:
+    return any("step" in r and "event" not in r for r in _records(run)[n_records:])
+
+
+def one_supervisor(src: str, opts: list[str], kills: int, rng: random.Random) -> list[dict]:
+    """Start a supervisor, SIGKILL its trainer ``kills`` times, stop it; per-kill phases."""
+    tmp = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
+    run = tmp / "run"
+    env = {**os.environ, "PYTHONPATH": src, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "unbroken", "run", "-q", *opts, "--"]
+    cmd += [sys.executable, str(SCRIPT), "--run-dir", str(run)]
+    cmd += ["--steps", "100000", "--save-every", "1000"]
+    log = open(tmp / "supervisor.log", "wb")
+    sup = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    out = []
+    try:
+        _wait(lambda: _steps_after(run, 0), every=0.01)
+        for k in range(kills):
+            time.sleep(rng.uniform(0.3, 1.2))
+            (child,) = _wait(lambda: _children(sup.pid))
+            n = len(_records(run))
+            t_kill = time.time()
+            os.kill(child, signal.SIGKILL)
+            new = _wait(lambda: [c for c in _children(sup.pid) if c != child])  # noqa: B023
+            t_child = time.time()
+
+            def resumed(n: int = n) -> float | None:
+                ev = [r for r in _records(run)[n:] if r.get("event") == "resume"]
+                return ev[0]["time"] if ev else None
+
+            t_resumed = _wait(resumed)
+            m = len(_records(run))
+            _wait(lambda: _steps_after(run, m))  # noqa: B023
+            t_step = time.time()
+            out.append(
+                {
+                    "kill": k,
+                    "kill_to_child": t_child - t_kill,
+                    "child_to_resumed": t_resumed - t_child,
+                    "resumed_to_step": t_step - t_resumed,
+                    "kill_to_step": t_step - t_kill,
+                    "pids": [child, new[0]],
+                }
+            )
+        sup.send_signal(signal.SIGTERM)
+        sup.wait(timeout=120)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()
+        log.close()
+    rc = sup.returncode
+    if rc not in (0, 75):
+        sys.exit(f"supervisor exit {rc}: see {tmp / 'supervisor.log'}")
+    subprocess.run(["rm", "-rf", str(tmp)], check=False)
+    return out
+
+
+def _fmt(xs: list[float]) -> str:
+    if not xs:
+        return "-"
+    return f"{statistics.median(xs):.2f} s ({min(xs):.2f}-{max(xs):.2f})"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kills", type=int, default=3, help="kills per supervisor")
+    p.add_argument("--rounds", type=int, default=2, help="supervisors per variant")
+    p.add_argument("--src", action="append", default=[], metavar="LABEL=DIR")
+    p.add_argument("--opts", action="append", default=[], metavar="LABEL=OPTIONS")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="append the figures to this JSON-lines file")
+    a = p.parse_args()
+    srcs = [s.split("=", 1) for s in a.src] or [["branch", str(ROOT)]]
+    optsets = [o.split("=", 1) for o in a.opts] or [["defaults", ""]]
+    variants = [(f"{sl} {ol}", str(Path(sd).resolve()), shlex.split(od))
+                for sl, sd in srcs for ol, od in optsets]  # fmt: skip
+    rng = random.Random(a.seed)
+    got: dict[str, list[dict]] = {v[0]: [] for v in variants}
+    for r in range(a.rounds):
+        for label, src, opts in variants:
+            got[label] += one_supervisor(src, opts, a.kills, rng)
+            print(f"round {r + 1}/{a.rounds} {label}: done", file=sys.stderr, flush=True)
+    load = os.getloadavg()[0]
+    print(f"\nchar_lm, {a.kills} kills x {a.rounds} supervisors per variant; load {load:.1f}")
+    print("| variant | " + " | ".join(PHASES) + " | first kill -> step | later |")
+    print("| --- |" + " ---: |" * (len(PHASES) + 2))
+    for label, rows in got.items():
+        cells = [_fmt([r[ph] for r in rows]) for ph in PHASES]
+        first = _fmt([r["kill_to_step"] for r in rows if r["kill"] == 0])
+        later = _fmt([r["kill_to_step"] for r in rows if r["kill"] > 0])
+        print(f"| {label} | " + " | ".join(cells) + f" | {first} | {later} |")
+        if a.json:
+            with open(a.json, "a", encoding="utf-8") as f:
+                rec = {"bench": "recovery", "variant": label, "load": load, "kills": rows}
+                f.write(json.dumps(rec) + "\n")
+
+
+if __name__ == "__main__":
+    main()

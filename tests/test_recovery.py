@@ -1,0 +1,88 @@
+"""Recovery under ``unbroken run`` never waits for nothing and never gives up on a run that
+advances: real trainers, SIGKILLed from outside, with the supervisor's default options.
+
+A crash that left the run further than the previous one did (a newer durable checkpoint or a
+newer in-memory snapshot) is relaunched at once and starts a new count of crashes; only crashes
+in a row *without* progress are retried with a backoff and, past --max-retries, given up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.golden import ROOT, assert_identical, children, launch
+from unbroken import read_metrics
+
+SCRIPT = ROOT / "tests" / "scripts" / "toy_train.py"
+STEPS = 24
+
+
+def _logged_steps(run_dir: Path) -> list[int]:
+    try:
+        return [r["step"] for r in read_metrics(str(run_dir))]
+    except (OSError, ValueError):
+        return []
+
+
+def _kill_after_progress(sup: subprocess.Popen[bytes], run: Path, kills: int) -> list[int]:
+    """SIGKILL the trainer ``kills`` times, each once it logged two steps past the step the
+    previous one was killed at (so it resumed and saved something newer)."""
+    reached: list[int] = []
+    for _ in range(kills):
+        target = (reached[-1] if reached else 0) + 2
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and sup.poll() is None:
+            steps = _logged_steps(run)
+            if steps and steps[-1] >= target:
+                break
+            time.sleep(0.01)
+        else:
+            out = sup.stdout.read().decode(errors="replace") if sup.stdout else ""
+            raise AssertionError(f"the trainer never reached step {target}: {out[-3000:]}")
+        (child,) = children(sup.pid)
+        os.kill(child, signal.SIGKILL)
+        while os.path.exists(f"/proc/{child}") and children(sup.pid) == [child]:
+            time.sleep(0.005)
+        reached.append(_logged_steps(run)[-1])
+    return reached
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("save_every", ["1", "1000"], ids=["durable-each-step", "snapshots"])
+def test_kills_after_progress_never_give_up_and_never_wait(tmp_path: Path, save_every: str) -> None:
+    """Five kills in a row (more than the default --max-retries 3), each after progress, with
+    the default --backoff: no wait before any relaunch, no giving up, bitwise equal at the end.
+    ``durable-each-step``: the progress is a durable checkpoint (the snapshot of the same step
+    is not newer, so nothing is persisted) -- it counts as progress all the same."""
+    args = ["--steps", str(STEPS), "--save-every", save_every, "--workers", "0"]
+    ref = tmp_path / "ref"
+    assert launch(SCRIPT, [*args, "--run-dir", str(ref)]) == 0
+    run, report = tmp_path / "run", tmp_path / "report.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "unbroken", "run", "--json", str(report), "--"]
+    cmd += [sys.executable, str(SCRIPT), *args, "--run-dir", str(run)]
+    cmd += ["--step-sleep", "0.05", "--snapshot-every", "1"]
+    sup = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        reached = _kill_after_progress(sup, run, 5)
+        out, _ = sup.communicate(timeout=300)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+    text = out.decode(errors="replace")
+    assert sup.returncode == 0, (reached, text[-4000:])
+    assert "gave up" not in text
+    attempts = json.loads(report.read_text())["attempts"]
+    crashes = [a for a in attempts if a["status"] == "crash"]
+    assert len(crashes) == 5, attempts
+    assert [a["backoff_s"] for a in crashes] == [0.0] * 5, attempts
+    assert [a["crash"] for a in crashes] == [1] * 5, attempts  # each one starts a new count
+    assert_identical(ref, run)
