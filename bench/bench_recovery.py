@@ -161,11 +161,12 @@ def main() -> None:
             print(f"round {r + 1}/{a.rounds} {label}: done", file=sys.stderr, flush=True)
     load = os.getloadavg()[0]
     print(f"\nchar_lm, {a.kills} kills x {a.rounds} supervisors per variant; load {load:.1f}")
-    print("| variant | " + " | ".join(PHASES) + " | first kill -> step | later |")
+    print("| variant | " + " | ".join(PHASES) + " | first kill -> step / -> child | later |")
     print("| --- |" + " ---: |" * (len(PHASES) + 2))
     for label, rows in got.items():
         cells = [_fmt([r[ph] for r in rows]) for ph in PHASES]
         first = _fmt([r["kill_to_step"] for r in rows if r["kill"] == 0])
+        first += " / " + _fmt([r["kill_to_child"] for r in rows if r["kill"] == 0])
         later = _fmt([r["kill_to_step"] for r in rows if r["kill"] > 0])
         print(f"| {label} | " + " | ".join(cells) + f" | {first} | {later} |")
         if a.json:

@@ -9,16 +9,14 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
-from importlib import import_module
 from types import FrameType
 from typing import Any
 
 from .. import _protocol, _shm
 from .._exit import EXIT_FAILURE, EXIT_RESUMABLE, EXIT_USAGE
-from . import _job, _policy
+from . import _job, _persister, _policy
 
 FORWARDED = _policy.FORWARDED
 TAG = "unbroken run:"
@@ -149,6 +147,7 @@ class Supervisor:
         self.shm = _snapshot_area(args)
         self.area: str | None = None if self.shm is None else self.shm.path
         self.stops = _job.stop_area()  # where each launch's ranks say they saved and stopped
+        self.persister = _persister.Persister()
 
     # -- signals ------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -285,21 +284,22 @@ class Supervisor:
 
     def _persist_snapshot(self) -> tuple[int | None, str]:
         """After a death: commit the trainer's newest in-memory snapshot durably, if it is
-        newer than its last checkpoint (the store and torch: imported at start-up, see
-        :func:`_preimport`). Returns (its step, a note for the report)."""
+        newer than its last checkpoint -- in the persister process, which imported the store
+        and torch at start-up (see :mod:`._persister`). Returns (its step, a note for the
+        report)."""
         if self.shm is None or not self.shm.may_hold_snapshot():
             return None, ""
-        from ..store._snapshot import persist_own
-
         try:
-            got = persist_own(self.shm)  # only its own area, into the run directory told
+            self.shm.check()  # only its own area, into the run directory told
+            run_dir = self.shm.run_dir()
+            step = None if run_dir is None else self.persister.persist(self.shm.path, run_dir)
         except Exception as e:  # keep supervising: the durable checkpoints are still there
             _say(f"could not persist the in-memory snapshot: {e}")
             return None, f"snapshot not persisted: {e}"
-        if got is None:
+        if step is None:
             return None, ""
         # Said once, in the attempt line.
-        return got[0], f"kept the in-memory snapshot of step {got[0]}"
+        return step, f"kept the in-memory snapshot of step {step}"
 
     def _newest_step(self, persisted: int | None) -> int | None:
         """The newest step the run can resume from after a death: the snapshot just persisted,
@@ -335,26 +335,6 @@ def _snapshot_area(args: argparse.Namespace) -> _shm.SupervisorArea | None:
     except (_shm.Refused, OSError) as e:
         _say(f"in-memory snapshots are off, durable saves only: {e}")
         return None
-
-
-def _preimport() -> threading.Thread:
-    """Import what persisting a snapshot needs (the store, torch: ~2 s) in the background,
-    while the first trainer starts, so the first crash does not pay for it. The thread runs at
-    the lowest priority (Linux: per thread) so that it does not slow the trainer's own start."""
-
-    def work() -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass  # not Linux: the import just competes at normal priority
-        try:
-            import_module("unbroken.store._snapshot")
-        except Exception:  # the crash path imports it again and reports what fails there
-            pass
-
-    t = threading.Thread(target=work, name="unbroken-preimport", daemon=True)
-    t.start()
-    return t
 
 
 def _requeue(job: str) -> tuple[bool, str]:
@@ -423,7 +403,7 @@ def run(args: argparse.Namespace) -> int:
     old = {s: signal.signal(s, sup._on_signal) for s in FORWARDED}
     t0 = time.monotonic()
     if sup.shm is not None:
-        _preimport()
+        sup.persister.start()  # imports the store while the first trainer starts
     if sup.shm is not None and _shm.any_stale():
         # Left by a supervisor that was killed itself: keep what it held, then free it.
         from ..store._snapshot import reap_stale
@@ -439,6 +419,7 @@ def run(args: argparse.Namespace) -> int:
             os.close(sup.tty)
         if sup.launch is not None:
             sup.launch.kill()  # the supervisor failed itself: leave no rank behind
+        sup.persister.close()
         if sup.shm is not None:
             sup.shm.discard()
         _job.discard(sup.stops)
