@@ -51,6 +51,20 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+def _trainers(pid: int) -> list[int]:
+    """The supervisor's children but its persister process (cli/_persister.py)."""
+    out = []
+    for c in _children(pid):
+        try:
+            with open(f"/proc/{c}/cmdline", "rb") as f:
+                if b"unbroken.cli._persister" in f.read():
+                    continue
+        except OSError:
+            continue
+        out.append(c)
+    return out
+
+
 def _records(run: Path) -> list[dict]:
     try:
         with open(run / "metrics.jsonl", encoding="utf-8") as f:
@@ -89,16 +103,17 @@ def one_supervisor(src: str, opts: list[str], kills: int, rng: random.Random) ->
     cmd += [sys.executable, str(SCRIPT), "--run-dir", str(run)]
     cmd += ["--steps", "100000", "--save-every", "1000"]
     log = open(tmp / "supervisor.log", "wb")
-    sup = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    # cwd: `-m unbroken` must import the tree under test, not the current directory's.
+    sup = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=src)
     out = []
     try:
         _wait(lambda: _steps_after(run, 0), every=0.01)
         for k in range(kills):
             time.sleep(rng.uniform(0.3, 1.2))
-            (child,) = _wait(lambda: _children(sup.pid))
+            (child,) = _wait(lambda: _trainers(sup.pid))
             t_kill = time.time()
             os.kill(child, signal.SIGKILL)
-            new = _wait(lambda: [c for c in _children(sup.pid) if c != child])  # noqa: B023
+            new = _wait(lambda: [c for c in _trainers(sup.pid) if c != child])  # noqa: B023
             t_child = time.time()
 
             def resumed(t: float = t_kill) -> float | None:

@@ -51,6 +51,21 @@ def children(pid: int) -> list[int]:
         return []
 
 
+def is_persister(pid: int) -> bool:
+    """Whether ``pid`` is an ``unbroken run`` supervisor's persister process (cli/_persister.py),
+    the supervisor's child beside the command it runs."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"unbroken.cli._persister" in f.read()
+    except OSError:
+        return False
+
+
+def trainers(pid: int) -> list[int]:
+    """The pids of supervisor ``pid``'s children but its persister: the command it runs."""
+    return [p for p in children(pid) if not is_persister(p)]
+
+
 def expected_code(sig: str) -> int:
     return -signal.SIGKILL if sig == "KILL" else EXIT_RESUMABLE
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.golden import ROOT, assert_identical
+from tests.golden import ROOT, assert_identical, trainers
 from unbroken import EXIT_RESUMABLE, read_metrics
 from unbroken.store import CheckpointStore
 
@@ -340,8 +340,7 @@ def test_supervisor_treats_a_child_killed_by_sigterm_at_start_up_as_resumable(tm
 
 
 def _child_of(pid: int) -> int:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        kids = [int(k) for k in f.read().split()]
+    kids = trainers(pid)  # not the supervisor's persister
     assert len(kids) == 1, kids
     return kids[0]
 

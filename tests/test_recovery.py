@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.golden import ROOT, assert_identical, children, launch
+from tests.golden import ROOT, assert_identical, launch, trainers
 from unbroken import read_metrics
 
 SCRIPT = ROOT / "tests" / "scripts" / "toy_train.py"
@@ -47,9 +47,9 @@ def _kill_after_progress(sup: subprocess.Popen[bytes], run: Path, kills: int) ->
         else:
             out = sup.stdout.read().decode(errors="replace") if sup.stdout else ""
             raise AssertionError(f"the trainer never reached step {target}: {out[-3000:]}")
-        (child,) = children(sup.pid)
+        (child,) = trainers(sup.pid)
         os.kill(child, signal.SIGKILL)
-        while os.path.exists(f"/proc/{child}") and children(sup.pid) == [child]:
+        while os.path.exists(f"/proc/{child}") and trainers(sup.pid) == [child]:
             time.sleep(0.005)
         reached.append(_logged_steps(run)[-1])
     return reached

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.golden import ROOT, assert_identical, children, launch
+from tests.golden import ROOT, assert_identical, launch, trainers
 from unbroken import read_metrics
 
 SCRIPT = ROOT / "tests" / "scripts" / "toy_train.py"
@@ -62,9 +62,9 @@ def test_sigkill_at_random_moments_loses_at_most_one_step(tmp_path: Path) -> Non
                 time.sleep(0.01)
             else:
                 raise AssertionError(f"the trainer never reached step {at}")
-            (child,) = children(sup.pid)
+            (child,) = trainers(sup.pid)
             os.kill(child, signal.SIGKILL)
-            while os.path.exists(f"/proc/{child}") and children(sup.pid) == [child]:
+            while os.path.exists(f"/proc/{child}") and trainers(sup.pid) == [child]:
                 time.sleep(0.005)
             reached.append(_logged_steps(run)[-1])
         out, _ = sup.communicate(timeout=300)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.golden import ROOT, assert_identical, children, launch
+from tests.golden import ROOT, assert_identical, launch, trainers
 from unbroken import read_metrics
 
 SCRIPT = ROOT / "tests" / "scripts" / "toy_train.py"
@@ -52,7 +52,7 @@ def test_kill_9_of_the_supervisor_stops_its_trainer_with_a_save(tmp_path: Path) 
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and (not _logged(run) or _logged(run)[-1] < 5):
             time.sleep(0.05)
-        (trainer,) = children(sup.pid)
+        (trainer,) = trainers(sup.pid)
         os.kill(sup.pid, signal.SIGKILL)
         sup.wait(timeout=30)
         deadline = time.monotonic() + 60

@@ -15,7 +15,7 @@ import pytest
 
 import unbroken
 from tests import torchrun_helpers as tr
-from tests.golden import assert_identical
+from tests.golden import assert_identical, trainers
 from unbroken.store import CheckpointStore
 
 STEPS, SLOW = tr.STEPS, tr.SLOW
@@ -84,7 +84,6 @@ def test_unbroken_run_relaunches_after_the_agent_is_killed(tmp_path: Path, refer
 
 
 def _child_of(pid: int) -> int:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        kids = [int(p) for p in f.read().split()]
+    kids = trainers(pid)  # not the supervisor's persister
     assert len(kids) == 1, kids
     return kids[0]
