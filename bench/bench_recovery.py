@@ -163,7 +163,10 @@ def main() -> None:
     p.add_argument("--opts", action="append", default=[], metavar="LABEL=OPTIONS")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="append the figures to this JSON-lines file")
+    p.add_argument("--quick", action="store_true", help="2 kills, 1 supervisor per variant")
     a = p.parse_args()
+    if a.quick:
+        a.kills, a.rounds = 2, 1
     srcs = [s.split("=", 1) for s in a.src] or [["branch", str(ROOT)]]
     optsets = [o.split("=", 1) for o in a.opts] or [["defaults", ""]]
     variants = [(f"{sl} {ol}", str(Path(sd).resolve()), shlex.split(od))
@@ -176,6 +179,7 @@ def main() -> None:
             print(f"round {r + 1}/{a.rounds} {label}: done", file=sys.stderr, flush=True)
     load = os.getloadavg()[0]
     print(f"\nchar_lm, {a.kills} kills x {a.rounds} supervisors per variant; load {load:.1f}")
+    summary: dict[str, object] = {"bench": "recovery", "load": round(load, 2)}
     print("| variant | " + " | ".join(PHASES) + " | first kill -> step / -> child | later |")
     print("| --- |" + " ---: |" * (len(PHASES) + 2))
     for label, rows in got.items():
@@ -184,10 +188,12 @@ def main() -> None:
         first += " / " + _fmt([r["kill_to_child"] for r in rows if r["kill"] == 0])
         later = _fmt([r["kill_to_step"] for r in rows if r["kill"] > 0])
         print(f"| {label} | " + " | ".join(cells) + f" | {first} | {later} |")
+        summary[label] = {ph: round(statistics.median([r[ph] for r in rows]), 3) for ph in PHASES}
         if a.json:
             with open(a.json, "a", encoding="utf-8") as f:
                 rec = {"bench": "recovery", "variant": label, "load": load, "kills": rows}
                 f.write(json.dumps(rec) + "\n")
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":
