@@ -2,10 +2,13 @@
 
 Options beyond toy_train's: ``--mode ddp|fsdp``; ``--signal-rank R|all`` (which ranks signal
 themselves after step K); ``--fail-save-at K --fail-rank R`` (rank R's save at step K hits EIO);
-``--dump-after-load FILE`` (rank 0 writes the full model, optimizer and EMA tensors right after
-the resume to a safetensors file, then exits); ``--grow-at K`` (DDP: a ``before_step`` callback
-widens the hidden layer from 32 to 64 when step K starts; the loop uses ``run.model`` and
-``run.optimizer``, which the change replaces).
+``--width W`` (the hidden layer's width: a bigger model for byte counts); ``--io-log FILE``
+(each rank writes to ``FILE.<rank>`` the bytes its read syscalls returned while ``Run()`` opened
+and resumed, from the kernel's ``/proc/self/io`` ``rchar``); ``--dump-after-load FILE`` (rank 0
+writes the full model, optimizer and EMA tensors right after the resume to a safetensors
+file, then exits); ``--grow-at K`` (DDP: a ``before_step`` callback widens the hidden layer
+from 32 to 64 when step K starts; the loop uses ``run.model`` and ``run.optimizer``, which the
+change replaces).
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ def main() -> None:
     p.add_argument("--fail-save-at", type=int, default=None)
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--dump-after-load", default=None)
+    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--io-log", default=None)
     p.add_argument("--async-save", action="store_true")
     p.add_argument("--grow-at", type=int, default=None)
     p.add_argument("--time-limit", type=float, default=None, help="seconds (time_margin 0)")
@@ -84,7 +89,7 @@ def main() -> None:
         torch.manual_seed(ctx.step)  # the new layers' initial weights: the same on every rank
         return unbroken.Change(model=build({"width": 64}), stage={"width": 64})
 
-    model = build({"width": 32})
+    model = build({"width": a.width})
     if a.mode == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -99,6 +104,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     ema = unbroken.EMA(model, decay=0.9)
     loader = unbroken.DataLoader(Noisy(a.n), batch_size=a.batch_size, seed=7)
+    read_before = _rchar()
     run = unbroken.Run(
         a.run_dir,
         model=net,
@@ -118,6 +124,9 @@ def main() -> None:
             else {}
         ),
     )
+    if a.io_log:
+        with open(f"{a.io_log}.{rank}", "w") as f:
+            f.write(str(_rchar() - read_before))
     if a.dump_after_load:
         from safetensors.torch import save_file
 
@@ -151,6 +160,11 @@ def main() -> None:
     dist.barrier()
     # No destroy_process_group() or os._exit() here: unbroken's exit (unbroken._dist.clean_exit)
     # keeps gloo's teardown from aborting a finished rank, FSDP2's DTensors and mesh included.
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
 
 
 def _eio_on_write(event: str, path: str) -> None:

@@ -385,14 +385,8 @@ class CheckpointStore:
         """Move checkpoints newer than ``step`` aside (resuming an older step forks history;
         ``unusable``: the newer ones could not be loaded). Nothing is deleted, so neither a
         re-save of their step nor retention can destroy them."""
-        moved = []
         prefix = "unusable" if unusable else "superseded"
-        for s, p in _layout.scan(self.run_dir):
-            if s > step:
-                name = f"{prefix}-{_layout.step_name(s)}-{int(time.time())}"
-                target = os.path.join(self.root, name)
-                os.rename(p, target)
-                moved.append(target)
+        moved = [self._aside(p, s, prefix) for s, p in _layout.scan(self.run_dir) if s > step]
         if moved:
             why = "they could not be loaded" if unusable else "history forks there"
             _log.event(
@@ -406,6 +400,30 @@ class CheckpointStore:
                 step=step,
             )
         return moved
+
+    def set_aside(self, step: int, why: str) -> str | None:
+        """Move the checkpoint of ``step`` aside as unusable (``why``: what failed), not
+        deleted; returns where it went (None: there is none)."""
+        for s, p in _layout.scan(self.run_dir):
+            if s == step:
+                target = self._aside(p, s, "unusable")
+                _log.event(
+                    log,
+                    logging.WARNING,
+                    "unbroken: checkpoint of step %d %s; moved aside (not deleted): %s",
+                    step,
+                    why,
+                    target,
+                    step=step,
+                    path=target,
+                )
+                return target
+        return None
+
+    def _aside(self, path: str, step: int, prefix: str) -> str:
+        target = os.path.join(self.root, f"{prefix}-{_layout.step_name(step)}-{int(time.time())}")
+        os.rename(path, target)
+        return target
 
     def abandon(self, extra: Iterable[str] = ()) -> str | None:
         """Move every checkpoint (and the files ``extra`` names, e.g. the metrics log) into

@@ -4,7 +4,7 @@ A run directory whose checkpoints none of which loads is an error, never a fresh
 reader that cannot read what an older version wrote must not let retention delete it);
 starting over is an explicit ``start_over=True``, which moves everything aside. Then how the
 chosen checkpoint is restored: the saved stage's model built first, every component loaded,
-and -- in one process -- the previous checkpoint loaded over a load that failed its checksums.
+and the previous checkpoint loaded over a load that failed its checksums on any rank.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .. import _dist, _log
 from .._errors import ConfigError, CorruptCheckpointError, StateError
 from ..data._seeding import derive, seed_globals
 from ..state import Counters, Registry
-from ..store import CheckpointReader, CheckpointStore
+from ..store import CheckpointReader, CheckpointStore, _layout
 from ..store._manifest import rank_file
 from ._config import RunConfig
 from ._metrics import METRICS_FILE
@@ -57,65 +57,109 @@ class Resumer:
     """Set when the checkpoint was of a complete run that ``max_steps`` now extends."""
 
     def resume(self) -> int | None:
-        reader = self._choose()
-        if reader is None:
+        step = self._choose()
+        if step is None:
             if self.config.seed is not None:
                 seed_globals(derive(self.config.seed, self.rank))
             return None
-        return self._restore_or_fall_back(reader)
+        return self._load_or_fall_back(step)
 
-    def _choose(self) -> CheckpointReader | None:
-        """Rank 0 picks (and verifies) the checkpoint; every rank opens the same step."""
-        choice: tuple[int | None, str | None] = (None, None)
+    def _choose(self, unusable: int | None = None) -> int | None:
+        """Rank 0 picks the step from metadata only (manifests, tables, the small files'
+        checksums) and tells every rank; ``unusable``: a step that failed to load, moved
+        aside first."""
+        choice: tuple[int | None, str | None, bool] = (None, None, False)
         if self.rank == 0:
             try:
-                choice = (self._pick(), None)
+                if unusable is not None:
+                    self.store.set_aside(unusable, "failed its checksums while loading")
+                # Data files are verified by the loads, each rank the chunks it reads.
+                metrics = os.path.join(self.store.run_dir, METRICS_FILE)
+                choice = (
+                    pick_step(self.store, self.config, metrics, False, self.remote()),
+                    None,
+                    False,
+                )
             except Exception as e:
                 if self.world_size == 1:
                     raise
-                choice = (None, f"{type(e).__name__}: {e}")  # told to every rank, then raised
-        step, error = _dist.broadcast_object(choice, what="resume choice")
+                # Told to every rank, then raised.
+                choice = (None, f"{type(e).__name__}: {e}", isinstance(e, CorruptCheckpointError))
+        step, error, corrupt = _dist.broadcast_object(choice, what="resume choice")
         if error is not None:
-            raise ConfigError(f"choosing the checkpoint to resume from failed on rank 0: {error}")
-        if step is None:
-            return None
-        return self.store.open(step, checksums=False)
+            what = "choosing the checkpoint to resume from failed on rank 0"
+            raise (CorruptCheckpointError if corrupt else ConfigError)(f"{what}: {error}")
+        return step
 
-    def _pick(self, one_pass: bool = True) -> int | None:
-        # In one process the data files' checksums are verified while the load reads them (one
-        # pass over the disk); rank 0 of several verifies everything first, since the other ranks
-        # load what it chose.
-        data = not (one_pass and self.world_size == 1)
-        metrics = os.path.join(self.store.run_dir, METRICS_FILE)
-        return pick_step(self.store, self.config, metrics, data, remote=self.remote())
+    def _load_or_fall_back(self, step: int) -> int:
+        """Load ``step`` on every rank, each verifying the chunks it reads; if any rank's load
+        fails its checksums, every rank loads the newest earlier checkpoint that loads over
+        it (the bad one moved aside), so no rank trains on a state the others do not share."""
+        tries: dict[int, int] = {}
+        while True:
+            tries[step] = tries.get(step, 0) + 1
+            failed = self._attempt(step)
+            if not failed:
+                return step
+            path = os.path.join(self.store.root, _layout.step_name(step))
+            said = _by_reason(failed)
+            if self.config.resume is not True or tries[step] > 1:
+                raise CorruptCheckpointError(
+                    f"checkpoint {path} failed its checksums while loading ({said})", path=path
+                )
+            if self.rank == 0:
+                _log.event(
+                    log,
+                    logging.WARNING,
+                    "unbroken: checkpoint %s failed its checksums while loading (%s); every "
+                    "rank loads an earlier one over it",
+                    path,
+                    said,
+                    step=step,
+                    path=path,
+                )
+            # The live tensors were partly overwritten: the next checkpoint is loaded over all.
+            nxt = self._choose(unusable=step)
+            if nxt is None:
+                raise CorruptCheckpointError(f"no checkpoint in {self.store.root} loads")
+            step = nxt
 
-    def _restore_or_fall_back(self, reader: CheckpointReader) -> int:
-        """Restore ``reader``; if its data fails the checksums while loading (one process),
-        load the next checkpoint that verifies over it."""
+    def _attempt(self, step: int) -> list[tuple[int, str]]:
+        """Restore ``step`` on this rank; returns every rank's checksum failure (rank, why),
+        agreed by one collective before the load and one after it. Any other error is
+        raised on every rank (by the rank that hit it, the others naming it)."""
+        error: BaseException | None = None
+        loaded: Callable[[], None] | None = None
         try:
-            return self._restore(reader)
-        except CorruptCheckpointError as e:
-            if self.world_size > 1 or self.config.resume is not True:
-                raise
-            _log.event(
-                log,
-                logging.WARNING,
-                "unbroken: checkpoint %s failed its checksums while loading: %s; loading an "
-                "earlier one over it",
-                reader.path,
-                e,
-                step=reader.step,
-                path=reader.path,
-            )
-        # The live tensors were partly overwritten: the next checkpoint that verifies (this time
-        # every byte, before loading; the bad one is moved aside as unusable) is loaded over all.
-        step = self._pick(one_pass=False)
-        if step is None:
-            raise CorruptCheckpointError(f"no checkpoint in {self.store.root} loads")
-        return self._restore(self.store.open(step, checksums=False))
+            loaded = self._prepare(self.store.open(step, checksums=False))
+        except Exception as e:
+            error = e
+        failed = self._agree(error, "resume plan agreement")
+        if failed or loaded is None:
+            return failed
+        try:
+            loaded()
+        except Exception as e:
+            error = e
+        return self._agree(error, "resume load agreement")
 
-    def _restore(self, reader: CheckpointReader) -> int:
-        """Load ``reader`` into every component (the model of the saved stage first)."""
+    def _agree(self, error: BaseException | None, what: str) -> list[tuple[int, str]]:
+        # One bounded collective when every rank succeeded; the reasons only on a failure.
+        if not _dist.any_true(error is not None, what=what):
+            return []
+        mine = None if error is None else (str(error), isinstance(error, CorruptCheckpointError))
+        every = _dist.all_gather_object(mine)
+        other = [(r, v[0]) for r, v in enumerate(every) if v is not None and not v[1]]
+        if error is not None and not isinstance(error, CorruptCheckpointError):
+            raise error
+        if other:
+            r, why = other[0]
+            raise StateError(f"rank {r} failed to resume, so this rank stops too: {why}")
+        return [(r, v[0]) for r, v in enumerate(every) if v is not None]
+
+    def _prepare(self, reader: CheckpointReader) -> Callable[[], None]:
+        """Check ``reader`` against the components and plan the load (the model of the saved
+        stage built first); returns the load itself, which reads and verifies the tensors."""
         rank, registry, counters = self.rank, self.registry, self.counters
         trees = reader.global_trees()
         local = reader.local_trees(rank)
@@ -163,13 +207,28 @@ class Resumer:
         targets = registry.plan(names, trees, reader.tensor_infos())
         # The same checkpoint from this node's shared memory, if a supervisor kept it there.
         source = self.snapshots.source_for(reader) if self.snapshots is not None else reader
-        source.load_tensors(targets)
-        registry.restore(names, trees, targets)
-        m = self.config.max_steps
-        if counters.complete and m is not None and counters.step < m:
-            counters.complete = False  # a finished run asked for more: it continues, and says so
-            self.extended_to = f"max_steps={m}"
-        return reader.step
+
+        def load() -> None:
+            source.load_tensors(targets)
+            registry.restore(names, trees, targets)
+            m = self.config.max_steps
+            if counters.complete and m is not None and counters.step < m:
+                counters.complete = False  # a finished run asked for more: it continues, says so
+                self.extended_to = f"max_steps={m}"
+
+        return load
+
+
+def _by_reason(failed: list[tuple[int, str]]) -> str:
+    """``rank 1: why`` -- ranks that report the same failure (a collective load hands every
+    rank the first error of any) named together."""
+    ranks: dict[str, list[int]] = {}
+    for r, why in failed:
+        ranks.setdefault(why, []).append(r)
+    return "; ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {why}"
+        for why, rs in ranks.items()
+    )
 
 
 def pick_step(
@@ -180,7 +239,8 @@ def pick_step(
     remote: RemoteTier | None = None,
 ) -> int | None:
     """The step to resume from (None: a fresh start); rank 0 only, holding the lock.
-    ``data=False``: format-2 data files are verified by the load instead (one pass).
+    ``data=False``: format-2 data files are verified by the loads instead (one pass, each rank
+    the chunks it reads), so that picking reads metadata only.
     ``remote``: the newest step that verifies in either tier (store/_tier.py)."""
     want = config.resume
     if config.start_over:
