@@ -62,7 +62,7 @@ def test_rank0_reads_no_more_than_another_rank_plus_metadata(tmp_path: Path) -> 
     wide = ["--mode", "fsdp", "--width", "16384", "--steps", "4", "--save-every", "4"]
     assert launch(TOY, ["--run-dir", str(run), *wide], 2)[0] == [0, 0]
     assert launch(TOY, ["--run-dir", str(run), *wide, "--io-log", str(io)], 2)[0] == [0, 0]
-    read = [int((tmp_path / f"io.{r}").read_text()) for r in range(2)]
+    read = [json.loads((tmp_path / f"io.{r}").read_text())["read"] for r in range(2)]
     step = CheckpointStore(str(run)).open(4)
     sizes = {n: int(rec["size"]) for n, rec in step.manifest["files"].items()}
     data = {n: s for n, s in sizes.items() if n.startswith("tensors-r")}

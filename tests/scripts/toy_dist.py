@@ -4,17 +4,18 @@ Options beyond toy_train's: ``--mode ddp|fsdp``; ``--signal-rank R|all`` (which 
 themselves after step K); ``--fail-save-at K --fail-rank R`` (rank R's save at step K hits EIO);
 ``--width W`` (the hidden layer's width: a bigger model for byte counts); ``--io-log FILE``
 (each rank writes to ``FILE.<rank>`` the bytes its read syscalls returned while ``Run()`` opened
-and resumed, from the kernel's ``/proc/self/io`` ``rchar``); ``--dump-after-load FILE`` (rank 0
-writes the full model, optimizer and EMA tensors right after the resume to a safetensors
-file, then exits); ``--grow-at K`` (DDP: a ``before_step`` callback widens the hidden layer
-from 32 to 64 when step K starts; the loop uses ``run.model`` and ``run.optimizer``, which the
-change replaces).
+and resumed, from the kernel's ``/proc/self/io`` ``rchar``, and the seconds it took, as JSON);
+``--dump-after-load FILE`` (rank 0 writes the full model, optimizer and EMA tensors right after
+the resume to a safetensors file, then exits); ``--grow-at K`` (DDP: a ``before_step``
+callback widens the hidden layer from 32 to 64 when step K starts; the loop uses
+``run.model`` and ``run.optimizer``, which the change replaces).
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import json
 import os
 import signal
 import time
@@ -104,7 +105,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     ema = unbroken.EMA(model, decay=0.9)
     loader = unbroken.DataLoader(Noisy(a.n), batch_size=a.batch_size, seed=7)
-    read_before = _rchar()
+    read_before, t0 = _rchar(), time.perf_counter()
     run = unbroken.Run(
         a.run_dir,
         model=net,
@@ -126,7 +127,7 @@ def main() -> None:
     )
     if a.io_log:
         with open(f"{a.io_log}.{rank}", "w") as f:
-            f.write(str(_rchar() - read_before))
+            json.dump({"read": _rchar() - read_before, "seconds": time.perf_counter() - t0}, f)
     if a.dump_after_load:
         from safetensors.torch import save_file
 
