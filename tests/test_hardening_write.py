@@ -183,8 +183,8 @@ def test_torch_zip_writer_unwinding_on_a_full_disk_still_reads_as_enospc(small_d
     from torch.distributed.checkpoint.api import CheckpointException
 
     from unbroken import CorruptCheckpointError
+    from unbroken._errors import write_error as _write_error
     from unbroken.store import _fsops
-    from unbroken.store._store import _write_error
 
     fill(small_disk, leave=100_000)
     path = str(small_disk / "t.pt")

@@ -27,6 +27,7 @@ ENOSPC on the file being written.
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 
@@ -152,3 +153,32 @@ def root_oserror(exc: BaseException | None) -> OSError | None:
             if nxt is not None:
                 stack.append((nxt, depth + 1))
     return best[3] if best is not None else None
+
+
+def write_error(err: BaseException, tmp: str, step: int, root: str) -> BaseException:
+    """What a failed save raises: the innermost OSError behind ``err`` (a full disk mid-write
+    surfaces as torch's "unexpected pos" with the ENOSPC only in its chain), as a
+    CheckpointWriteError with that errno and file; an error of ours without one as it is."""
+    os_err = root_oserror(err)
+    # Ours, and not a wrapper of an OS error (DCP's failures arrive as CorruptCheckpointError):
+    # as it is. An UnsafeCheckpointError (say) stays one even if an OSError preceded it.
+    wrapper = isinstance(err, CorruptCheckpointError)
+    ours = isinstance(err, UnbrokenError) and not wrapper
+    if isinstance(err, CheckpointWriteError) or ours or (wrapper and os_err is None):
+        if isinstance(err, CheckpointError) and err.step is None:
+            err.step = step
+        return err
+    if os_err is not None:
+        where = os_err.filename or tmp
+        what = f"[Errno {os_err.errno}] {os_err.strerror}"
+        if os_err.errno == errno.ENOSPC:
+            what += " (the disk is full: free space or point the run at another disk)"
+    else:
+        where, what = tmp, f"{type(err).__name__}: {err}"
+    return CheckpointWriteError(
+        f"could not save step {step}: writing {where} failed: {what}; nothing was committed, "
+        f"earlier checkpoints in {root} are intact",
+        errno=os_err.errno if os_err is not None else None,
+        path=str(where),
+        step=step,
+    )

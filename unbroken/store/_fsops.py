@@ -123,3 +123,12 @@ def rename(src: str, dst: str) -> None:
 def rmtree(path: str) -> None:
     event("rmtree", path)
     shutil.rmtree(path)
+
+
+def remove_tree(path: str) -> None:
+    """Remove a temp directory of ours -- a symlink planted in its place is unlinked, never
+    followed."""
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)

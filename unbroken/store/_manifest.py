@@ -9,7 +9,7 @@ from typing import Any
 
 import xxhash
 
-from .._errors import CorruptCheckpointError
+from .._errors import CheckpointError, CorruptCheckpointError
 from ._safeio import open_regular, safe_file
 from ._safeio import read_json as read_json
 
@@ -119,3 +119,19 @@ def hash_file(path: str, chunk: int = 8 << 20) -> str:
         while n := f.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()
+
+
+def sizes_ok(path: str, manifest: dict[str, Any]) -> bool:
+    try:
+        verify_files(path, manifest, checksums=False)
+        return True
+    except (CheckpointError, OSError):
+        return False
+
+
+def manifest_of(path: str) -> dict[str, Any] | None:
+    """The checkpoint's manifest if it parses (a directory that is ours), else None."""
+    try:
+        return read_manifest(path)
+    except CheckpointError:
+        return None

@@ -13,7 +13,6 @@ A failure on any rank is agreed on by all ranks before the commit, so no rank co
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import platform
@@ -32,8 +31,7 @@ from .._errors import (
     CheckpointWriteError,
     ConfigError,
     CorruptCheckpointError,
-    UnbrokenError,
-    root_oserror,
+    write_error,
 )
 from .._logfile import open_regular
 from .._version import __version__
@@ -249,7 +247,7 @@ class CheckpointStore:
     def _prepare(self, tmp: str) -> None:
         os.makedirs(self.root, exist_ok=True)
         if os.path.lexists(tmp):
-            _remove_tree(tmp)
+            _fsops.remove_tree(tmp)
             if os.path.lexists(tmp):
                 shutil.rmtree(tmp)  # what could not be removed raises, naming its file
         _fsops.mkdir(tmp)
@@ -325,12 +323,12 @@ class CheckpointStore:
         if not failed:
             return
         if _dist.rank() == 0:
-            _remove_tree(tmp)
+            _fsops.remove_tree(tmp)
         if err is None:
             raise CheckpointWriteError(
                 f"saving step {step} failed on another rank; nothing was committed", step=step
             )
-        mapped = _write_error(err, tmp, step, self.root)
+        mapped = write_error(err, tmp, step, self.root)
         if mapped is err:
             raise err
         raise mapped from err
@@ -340,7 +338,9 @@ class CheckpointStore:
     def apply_retention(self, newest: int, protect: Iterable[int] = ()) -> list[int]:
         """Delete committed checkpoints older than ``newest`` that the policy does not keep."""
         r = self.retention
-        older = [(s, p, _manifest_of(p)) for s, p in _layout.scan(self.run_dir) if s < newest]
+        older = [
+            (s, p, _manifest.manifest_of(p)) for s, p in _layout.scan(self.run_dir) if s < newest
+        ]
         manifests = {p: m for _, p, m in older if m is not None}  # None: not ours
         committed = [(s, p) for s, p, _ in older if p in manifests]
         keep = set(protect) | {newest}
@@ -353,7 +353,7 @@ class CheckpointStore:
                 if intact >= r.keep_last - 1:
                     break
                 keep.add(s)
-                intact += _sizes_ok(p, manifests[p])
+                intact += _manifest.sizes_ok(p, manifests[p])
         else:
             keep |= {s for s, _ in committed}
         if r.keep_every:
@@ -486,60 +486,6 @@ def _mtime(path: str) -> float:
         return os.stat(path).st_mtime
     except OSError:
         return 0.0
-
-
-def _sizes_ok(path: str, manifest: dict[str, Any]) -> bool:
-    try:
-        _manifest.verify_files(path, manifest, checksums=False)
-        return True
-    except (CheckpointError, OSError):
-        return False
-
-
-def _manifest_of(path: str) -> dict[str, Any] | None:
-    """The checkpoint's manifest if it parses (a directory that is ours), else None."""
-    try:
-        return _manifest.read_manifest(path)
-    except CheckpointError:
-        return None
-
-
-def _write_error(err: BaseException, tmp: str, step: int, root: str) -> BaseException:
-    """What a failed save raises: the innermost OSError behind ``err`` (a full disk mid-write
-    surfaces as torch's "unexpected pos" with the ENOSPC only in its chain), as a
-    CheckpointWriteError with that errno and file; an error of ours without one as it is."""
-    os_err = root_oserror(err)
-    # Ours, and not a wrapper of an OS error (DCP's failures arrive as CorruptCheckpointError):
-    # as it is. An UnsafeCheckpointError (say) stays one even if an OSError preceded it.
-    wrapper = isinstance(err, CorruptCheckpointError)
-    ours = isinstance(err, UnbrokenError) and not wrapper
-    if isinstance(err, CheckpointWriteError) or ours or (wrapper and os_err is None):
-        if isinstance(err, CheckpointError) and err.step is None:
-            err.step = step
-        return err
-    if os_err is not None:
-        where = os_err.filename or tmp
-        what = f"[Errno {os_err.errno}] {os_err.strerror}"
-        if os_err.errno == errno.ENOSPC:
-            what += " (the disk is full: free space or point the run at another disk)"
-    else:
-        where, what = tmp, f"{type(err).__name__}: {err}"
-    return CheckpointWriteError(
-        f"could not save step {step}: writing {where} failed: {what}; nothing was committed, "
-        f"earlier checkpoints in {root} are intact",
-        errno=os_err.errno if os_err is not None else None,
-        path=str(where),
-        step=step,
-    )
-
-
-def _remove_tree(path: str) -> None:
-    """Remove a temp directory of ours -- a symlink planted in its place is unlinked, never
-    followed."""
-    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
-        os.unlink(path)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _attempt(fn: Any) -> BaseException | None:

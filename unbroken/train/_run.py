@@ -17,15 +17,10 @@ Order of events (the contract; docs/resume.md repeats it)::
 counters and the options, and calls its collaborators in the order above. Each collaborator
 gets what it works on, never the run:
 
-1. :class:`~._events.Events` -- log records, the metrics log, the ``on_save``/``on_resume``
-   hooks;
-2. :class:`~._checkpointer.Checkpointer` -- the writer lock, synchronous and background saves,
-   retention, in-memory snapshots;
-3. :class:`~._resume.Resumer` -- which checkpoint to continue from, and loading it (through
-   :class:`~._staging.ModelSwap` when it is of another stage);
-4. :class:`~._audit.Audit` -- start-up and loop-start checks;
-5. :class:`~._loop.Stepper` -- step starts of ``run.loop()``: settings, callbacks, model changes;
-6. :mod:`._triggers` -- pure functions: does this step save, stop, or neither.
+``Events`` (logs, hooks), ``Checkpointer`` (lock, saves, retention, snapshots, the remote
+tier), ``Resumer`` (which checkpoint, loading it), ``ModelSwap``, ``Audit``, ``Stepper``
+(``run.loop()``'s step starts), and the pure ``_triggers`` and ``_stopping``. docs/design.md
+has the table.
 """
 
 from __future__ import annotations

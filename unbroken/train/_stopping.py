@@ -37,6 +37,7 @@ from ._signals import StopRequest
 
 log = _log.get("run")
 
+
 class Run(Protocol):
     """What honouring a stop needs of :class:`unbroken.Run` (its own stop protocol: count,
     save, close, exit 75); declared here so that this module does not import ``_run``."""
