@@ -8,7 +8,9 @@ first thing, from two variables the test sets:
 
 ``UNBROKEN_FAULT_LOG=FILE`` appends one line per event; ``UNBROKEN_FAULT=kill:K`` SIGKILLs the
 process at event K (1-based); ``UNBROKEN_FAULT=errno:NAME:EVENT[:N]`` raises OSError(NAME) at
-the N-th event called EVENT.
+the N-th event called EVENT; ``UNBROKEN_FAULT=slow:SECONDS`` sleeps SECONDS at every event of a
+checkpoint save, so an outside watcher (``unbroken verify`` on a loaded machine) sees the save's
+``.tmp-step-N`` directory and its SIGKILL lands inside the save.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import errno as _errno
 import os
 import signal
+import time
 
 from unbroken.store import _fsops
 
@@ -37,6 +40,8 @@ def hook(plan: str | None, log: str | None) -> _fsops.Hook:
         if not plan:
             return
         kind, _, rest = plan.partition(":")
+        if kind == "slow" and name != "fsync_log":
+            time.sleep(float(rest))
         if kind == "kill" and int(rest) == total[0]:
             os.kill(os.getpid(), signal.SIGKILL)
         if kind == "errno":

@@ -786,7 +786,7 @@ def test_a_missing_rank_state_is_an_error_not_a_new_rank(tmp_path: Path) -> None
     with pytest.raises(unbroken.CorruptCheckpointError, match="no state of rank 0"):
         Resumer(
             run.store, run.config, run.registry, run.counters, 0, 1, None, lambda m, r: None
-        )._restore(reader)
+        )._prepare(reader)
     run.close()
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests import faults
 from tests.golden import ROOT
 from unbroken import ConfigError, RunConfig
 from unbroken.cli import main
@@ -44,13 +45,16 @@ CHAR_LM = ROOT / "examples" / "char_lm.py"
 SEQ2SEQ = ROOT / "examples" / "seq2seq.py"
 PY = sys.executable
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+SLOW_SAVES = {**ENV, faults.PLAN_ENV: "slow:0.02"}
 
 
-def _cli(work: Path, interrupts: int, *cmd: str) -> tuple[int, dict[str, Any]]:
+def _cli(
+    work: Path, interrupts: int, *cmd: str, env: dict[str, str] = ENV
+) -> tuple[int, dict[str, Any]]:
     argv = [PY, "-m", "unbroken", "verify", "--json", "--quiet", "--interrupts", str(interrupts)]
     proc = subprocess.run(
         [*argv, "--work", str(work), "--", *cmd],
-        env=ENV,
+        env=env,
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -74,8 +78,12 @@ def verified(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     s2s = ("--steps", "8", "--save-every", "4", "--lines", "24", "--max-tokens", "600")
     ticks: list[tuple[str, int, int | None]] = []
     jobs: dict[str, Callable[[], Any]] = {
-        # The toy script (AdamW, LambdaLR, EMA, noisy data, dropout) through the CLI, K=3.
-        "toy": lambda: _cli(work / "toy", 3, PY, str(TOY), "--run-dir", "{run_dir}", *toy),
+        # The toy script (AdamW, LambdaLR, EMA, noisy data, dropout) through the CLI, K=3;
+        # its saves slowed (tests/faults.py) so the kill aimed inside one lands there even
+        # when the two cores are busy (a toy save takes a millisecond).
+        "toy": lambda: _cli(
+            work / "toy", 3, PY, str(TOY), "--run-dir", "{run_dir}", *toy, env=SLOW_SAVES
+        ),
         # The demo's char-level transformer (AMP + GradScaler, EMA), K=2, default temp dir.
         "char_lm": lambda: _lib(
             None,

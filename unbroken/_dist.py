@@ -14,8 +14,8 @@ import atexit
 import ctypes
 import gc
 import itertools
+import json
 import os
-import pickle
 import sys
 import time
 from datetime import timedelta
@@ -153,12 +153,12 @@ def all_gather_object(obj: T, group: Any = None) -> list[T]:
 
 
 def broadcast_object(obj: T, src: int = 0, what: str = "broadcast") -> T:
-    """``obj`` of rank ``src`` on every rank (pickled between ranks of one job, as torch's
-    ``broadcast_object_list`` does; never read from a file)."""
+    """``obj`` of rank ``src`` on every rank, as JSON: a resume decision or a number, never
+    pickled, so nothing a peer sends can execute code (tuples arrive as lists)."""
     if not active():
         return obj
     device = _device()
-    data = pickle.dumps(obj) if rank() == src else b""
+    data = json.dumps(obj).encode() if rank() == src else b""
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     bounded(dist.broadcast(size, src=src, async_op=True), what)
     buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
@@ -167,7 +167,7 @@ def broadcast_object(obj: T, src: int = 0, what: str = "broadcast") -> T:
     bounded(dist.broadcast(buf, src=src, async_op=True), what)
     if rank() == src:
         return obj
-    out: T = pickle.loads(buf.cpu().numpy().tobytes())
+    out: T = json.loads(buf.cpu().numpy().tobytes())
     return out
 
 
