@@ -48,7 +48,8 @@ seconds, before anything is relaunched.
 
 SLURM (SLURM_JOB_ID set, --no-requeue not given): the job requeued is
 ${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}} for array jobs, else SLURM_JOB_ID; if
-scontrol is missing or fails, the failure is reported and CMD is relaunched in place.
+scontrol is missing or fails, the failure is reported and CMD is relaunched in place. In a
+multi-node job (SLURM_JOB_NUM_NODES > 1) only node 0 (SLURM_NODEID) requeues; the others exit 75.
 Use `exec unbroken run ...` in the batch script so `#SBATCH --signal=B:USR1@120` reaches it."""
 
 EPILOG = """exit codes:
@@ -134,6 +135,18 @@ def slurm_job_id(env: dict[str, str] | os._Environ[str]) -> str | None:
     return env.get("SLURM_JOB_ID") or None
 
 
+def other_node(env: dict[str, str] | os._Environ[str]) -> str | None:
+    """ "node I of N" when this task runs on a node other than the first of a multi-node job:
+    only node 0's supervisor requeues it (a second `scontrol requeue` of a requeued job fails,
+    and the node that then relaunched in place would wait for a rendezvous that never comes)."""
+    try:
+        nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+        node = int(env.get("SLURM_NODEID") or 0)
+    except ValueError:
+        return None
+    return f"node {node} of {nodes}" if nodes > 1 and node != 0 else None
+
+
 class Supervisor:
     def __init__(self, args: argparse.Namespace, cmd: list[str]) -> None:
         self.a, self.cmd = args, cmd
@@ -203,6 +216,10 @@ class Supervisor:
             decision = self._decide(verdict, history, limits, att, progressed, job)
             if decision.action is _policy.Action.REQUEUE:
                 assert job is not None
+                node = other_node(os.environ)
+                if node is not None:
+                    att.action = "stop (node 0 requeues)"
+                    return EXIT_RESUMABLE, f"stopped; node 0 requeues SLURM job {job} ({node})"
                 ok, why = _requeue(job)
                 if ok:
                     att.action = f"requeue {job}"

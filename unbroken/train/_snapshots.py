@@ -10,11 +10,13 @@ collective), so the interval is decided on rank 0 and broadcast once.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 from .. import _dist, _log
+from .._shm import tell_run_dir
 from ..store import CheckpointReader
 from ..store._snapshot import SnapshotArea, SnapshotsOff
 
@@ -49,10 +51,28 @@ class Snapshots:
             # Every rank or none (a snapshot is collective); also: rank 0 cleaned first.
             if _dist.any_true(self.area is None):
                 self.area = None
+            elif _dist.any_true(_dist.broadcast_object(root, what="snapshot area") != root):
+                self._off_across_nodes(root)
         if self.area is not None:
             # At once, not at the first snapshot: a run that saves durably at every step takes
             # none, and the supervisor still judges a crash's progress by this directory.
             self.area.tell(run_dir)
+
+    def _off_across_nodes(self, root: str) -> None:
+        """Ranks under several supervisors (one per node): a snapshot is one checkpoint of
+        every rank, committed in one area, and ranks on other nodes cannot write into this
+        node's memory. Off, said once per node; the supervisor still learns the run directory
+        (a crash's progress is judged by its durable checkpoints)."""
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            tell_run_dir(root, self.run_dir)
+            log.warning(
+                "unbroken: in-memory snapshots are off: the ranks of this job are on %d nodes, "
+                "each under its own supervisor, and one node's memory holds only its own ranks' "
+                "part of a snapshot; a lost process or node costs the steps since the last "
+                "durable save (save_every) -- see docs/supervise.md#several-nodes",
+                _nodes(),
+            )
+        self.area = None
 
     @property
     def active(self) -> bool:
@@ -116,3 +136,11 @@ class Snapshots:
             return reader
         log.info("unbroken: reading step %d from the in-memory snapshot", reader.step)
         return snap
+
+
+def _nodes() -> int:
+    """The job's node count as the launcher says it (torchrun: WORLD_SIZE / LOCAL_WORLD_SIZE)."""
+    try:
+        return max(2, int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"]))
+    except (KeyError, ValueError, ZeroDivisionError):
+        return 2
