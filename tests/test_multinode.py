@@ -80,12 +80,14 @@ def test_a_lost_node_costs_the_steps_since_the_last_durable_save(
     said = out + tr.finish(launch[1])[1]
     assert said.count("in-memory snapshots are off: the ranks of this job are on 2") == 2, said
     assert "could not be written" not in said, said
+    # A durable save (every 3rd step; 3 unless the test was descheduled long enough for 6),
+    # never a snapshot of the steps after it.
     latest = CheckpointStore(str(job.run_dir)).latest()
-    assert latest is not None and latest.step == 3 < lost, (lost, latest)
+    assert latest is not None and latest.step % 3 == 0 and latest.step <= lost, (lost, latest)
     tr.run_to_end(job.run_dir, *STEPS)  # one node, 2 ranks
     records = unbroken.read_metrics(str(job.run_dir), events=True)
     resumed = [r for r in records if r.get("event") == "resume"]
-    assert [r["step"] for r in resumed] == [3], resumed
+    assert [r["step"] for r in resumed] == [latest.step], resumed
     assert_identical(reference, job.run_dir)
 
 
