@@ -81,6 +81,10 @@ def test_kill_reaches_ranks_in_their_own_sessions_after_the_agent_is_gone(tmp_pa
         start_new_session=True,
     )
     ranks = [int(p) for p in agent.stdout.readline().split()]  # type: ignore[union-attr]
+    # Running Python, not still inside exec: Popen returns before the kernel has set up the new
+    # program's environment, and for that moment /proc/PID/environ reads empty (a CI run on a
+    # loaded machine caught rank 1 there, untagged). The supervisor's scans repeat; this one not.
+    _wait([tmp_path / f"rank.ready.{r}" for r in range(2)])
     os.killpg(agent.pid, signal.SIGKILL)  # the agent's group: the ranks are not in it
     agent.wait()
     assert all(_tree.alive(p) for p in ranks)  # orphans, found by their tag

@@ -80,7 +80,11 @@ def _environ(pid: int) -> bytes:
 
 
 def tagged(tag: str) -> list[int]:
-    """The living processes (other than this one) whose environment carries ``tag``."""
+    """The living processes (other than this one) whose environment carries ``tag``.
+
+    A process in the middle of ``exec`` reads with an empty environment for a moment (the
+    kernel sets it up after the parent's ``Popen`` has returned), so one scan can miss a child
+    started just now: callers that must find everything scan again (:meth:`Tree.kill`)."""
     needle = f"{TAG_ENV}={tag}\0".encode()
     me = os.getpid()
     return [p for p in _all_pids() if p != me and needle in _environ(p) and alive(p)]
