@@ -56,18 +56,26 @@ def _kill_after_progress(sup: subprocess.Popen[bytes], run: Path, kills: int) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("save_every", ["1", "1000"], ids=["durable-each-step", "snapshots"])
-def test_kills_after_progress_never_give_up_and_never_wait(tmp_path: Path, save_every: str) -> None:
+@pytest.mark.parametrize(
+    ("save_every", "supervisor"),
+    [("1", []), ("1000", []), ("1", ["--no-snapshots"])],
+    ids=["durable-each-step", "snapshots", "no-snapshots"],
+)
+def test_kills_after_progress_never_give_up_and_never_wait(
+    tmp_path: Path, save_every: str, supervisor: list[str]
+) -> None:
     """Five kills in a row (more than the default --max-retries 3), each after progress, with
     the default --backoff: no wait before any relaunch, no giving up, bitwise equal at the end.
     ``durable-each-step``: the progress is a durable checkpoint (the snapshot of the same step
-    is not newer, so nothing is persisted) -- it counts as progress all the same."""
+    is not newer, so nothing is persisted) -- it counts as progress all the same.
+    ``no-snapshots``: no snapshot area at all; the supervisor still learns the run directory
+    (from the launch's stop directory) and judges progress by its durable checkpoints."""
     args = ["--steps", str(STEPS), "--save-every", save_every, "--workers", "0"]
     ref = tmp_path / "ref"
     assert launch(SCRIPT, [*args, "--run-dir", str(ref)]) == 0
     run, report = tmp_path / "run", tmp_path / "report.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "unbroken", "run", "--json", str(report), "--"]
+    cmd = [sys.executable, "-m", "unbroken", "run", "--json", str(report), *supervisor, "--"]
     cmd += [sys.executable, str(SCRIPT), *args, "--run-dir", str(run)]
     cmd += ["--step-sleep", "0.05", "--snapshot-every", "1"]
     sup = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

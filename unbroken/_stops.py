@@ -68,6 +68,45 @@ def record(
         _log.warning("unbroken: could not write the stop marker %s: %s", path, e)
 
 
+RUN_DIR_FILE = "run-dir.json"
+
+
+def tell_run_dir(run_dir: str) -> None:
+    """Tell the launcher which run directory this launch trains in, beside the stop markers.
+    A supervisor with no snapshot area (``--no-snapshots``, or areas refused) has no other
+    channel, and judges whether a crash made progress by that directory's checkpoints. Never
+    raises: unknown, a crash counts as one without progress (retried with a backoff)."""
+    where = os.environ.get(ENV)
+    if not where:
+        return
+    path = os.path.join(where, RUN_DIR_FILE)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        os.makedirs(where, exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"run_dir": os.path.abspath(run_dir)}, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        _log.warning("unbroken: could not tell the launcher the run directory (%s): %s", path, e)
+
+
+def told_run_dir(where: str) -> str | None:
+    """The run directory a launch told (:func:`tell_run_dir`): an existing absolute directory,
+    else None. ``where`` is the supervisor's own private (0700) stop directory."""
+    try:
+        fd = os.open(os.path.join(where, RUN_DIR_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            run_dir = json.loads(f.read(65536).decode()).get("run_dir")
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
+        return None
+    if not isinstance(run_dir, str) or not os.path.isabs(run_dir) or not os.path.isdir(run_dir):
+        return None
+    return run_dir
+
+
 def read(where: str) -> list[dict[str, Any]]:
     out = []
     try:

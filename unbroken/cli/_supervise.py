@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from types import FrameType
 from typing import Any
 
-from .. import _protocol, _shm
+from .. import _protocol, _shm, _stops
 from .._exit import EXIT_FAILURE, EXIT_RESUMABLE, EXIT_USAGE
 from . import _job, _persister, _policy
 
@@ -160,6 +160,7 @@ class Supervisor:
         self.shm = _snapshot_area(args)
         self.area: str | None = None if self.shm is None else self.shm.path
         self.stops = _job.stop_area()  # where each launch's ranks say they saved and stopped
+        self.told: str | None = None  # the run directory a launch told through its stop dir
         self.persister = _persister.Persister()
 
     # -- signals ------------------------------------------------------------------------
@@ -289,6 +290,7 @@ class Supervisor:
         # attempt: the next one must not start beside it. Signals still reach it meanwhile.
         stopped, left_note = launch.settle(rc, self.a.grace)
         self.launch = None
+        self.told = _stops.told_run_dir(launch.stop_dir) or self.told
         dur = time.monotonic() - t0
         sig = _signame(-rc) if rc < 0 else None
         att = Attempt(
@@ -322,7 +324,8 @@ class Supervisor:
         """The newest step the run can resume from after a death: the snapshot just persisted,
         or the newest durable checkpoint in the run directory the trainer told (a crash right
         after a durable save persists nothing, and has made progress all the same)."""
-        run_dir = None if self.shm is None else self.shm.run_dir()
+        # Told through the snapshot area's channel, or (no area) the launch's stop directory.
+        run_dir = (None if self.shm is None else self.shm.run_dir()) or self.told
         if run_dir is None:
             return persisted
         from ..store import _layout  # os and re only: no torch

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import _dist, _log
+from .. import _dist, _log, _stops
 from .._shm import tell_run_dir
 from ..store import CheckpointReader
 from ..store._snapshot import SnapshotArea, SnapshotsOff
@@ -57,6 +57,9 @@ class Snapshots:
             # At once, not at the first snapshot: a run that saves durably at every step takes
             # none, and the supervisor still judges a crash's progress by this directory.
             self.area.tell(run_dir)
+        elif os.environ.get("LOCAL_RANK", "0") == "0":
+            # No area (--no-snapshots, refused, off): the launch's stop directory is the channel.
+            _stops.tell_run_dir(run_dir)
 
     def _off_across_nodes(self, root: str) -> None:
         """Ranks under several supervisors (one per node): a snapshot is one checkpoint of
