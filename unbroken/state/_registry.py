@@ -66,6 +66,7 @@ class Registry:
 
     def __init__(self) -> None:
         self._items: dict[str, Component] = {}
+        self.version = 0  # bumped by add/replace: what callers derived from the items is stale
 
     def __contains__(self, name: object) -> bool:
         return name in self._items
@@ -112,12 +113,14 @@ class Registry:
         self._items[name] = Component(
             name, obj, adapter, local if rank_local is None else rank_local, optional
         )
+        self.version += 1
 
     def replace(self, name: str, obj: Any) -> None:
         """Swap the object behind a tracked name (used when a callback returns a new model)."""
         old = self._items[name]
         adapter, _ = self._adapt(obj)
         self._items[name] = Component(name, obj, adapter, old.rank_local, old.optional)
+        self.version += 1
 
     def _adapt(self, obj: Any) -> tuple[Any, bool]:
         if isinstance(obj, torch.nn.Module):

@@ -86,6 +86,7 @@ class Run:
         _dist.clean_exit()  # several ranks: exit with our status, never the backend's abort
         self.counters = Counters(stage=cfg.stage)
         self.registry = track(kwargs, self.counters, cfg, self.rank, self.world_size)
+        self._found_loaders: tuple[int, list[Any]] = (-1, [])
         warn_determinism()  # on CUDA: the settings that make a bitwise resume impossible
         process = ProcessContext.read()
         self._events = Events(self.dir, self.counters, on_save=cfg.on_save, on_resume=cfg.on_resume)
@@ -257,7 +258,8 @@ class Run:
         shown = self._events.metrics is not None or self._progress is not None
         if isinstance(loss, torch.Tensor) and (shown or self.world_size > 1):
             # .item() waits for the device: only when the value is logged, shown or averaged.
-            loss = loss.detach().float().mean().item()
+            # The mean of one element is that element: a scalar loss skips the kernel.
+            loss = (t if (t := loss.detach().float()).numel() == 1 else t.mean()).item()
         if self.world_size == 1:
             return seen, loss
         flags = [float(seen.signalled), float(seen.out_of_time), float(seen.minutes_due)]
@@ -358,8 +360,12 @@ class Run:
             self.save()
 
     def _loaders(self) -> list[Any]:
-        """Tracked loaders: components meeting unbroken.data.Loader (or tagged kind="loader")."""
-        return [c.obj for c in self.registry if is_loader(c.obj)]
+        """Tracked loaders: components meeting unbroken.data.Loader (or tagged kind="loader").
+        Asked twice a step and a protocol check costs microseconds: kept per registry version."""
+        if self._found_loaders[0] != self.registry.version:
+            found = [c.obj for c in self.registry if is_loader(c.obj)]
+            self._found_loaders = (self.registry.version, found)
+        return self._found_loaders[1]
 
     # ---- what the loop exposes ----------------------------------------------------------------
 
