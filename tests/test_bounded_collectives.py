@@ -29,4 +29,6 @@ def test_a_rank_that_does_not_answer_is_named(tmp_path):
     for err in errs[:2]:
         assert "missing=[2]" in err and "rank(s) 2 did not answer" in err, err
         assert "commit verdict did not complete within 2 s" in err, err
-    assert time.monotonic() - t0 < 60
+    # Three torch imports and start-ups on 2 loaded cores take most of this; an unbounded
+    # collective would wait for gloo's 30 min default and hit launch's 120 s first.
+    assert time.monotonic() - t0 < 110

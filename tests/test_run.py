@@ -289,13 +289,15 @@ def test_time_limit_saves_and_exits_75_before_the_budget(tmp_path, runs, monkeyp
     # The budget counts from the process's start (tests/test_hardening_signals.py checks that
     # in a fresh process); this long-lived test process starts it now instead.
     monkeypatch.setattr("unbroken.train._run.process_start", lambda: start)
-    run = runs(d, **_net(), time_limit=1.5, time_margin=0.5)
+    # Seconds of slack, not tenths: a loaded machine can deschedule a step or stretch the stop
+    # save by a few hundred ms, and the promise tested is "before the budget", not "at once".
+    run = runs(d, **_net(), time_limit=6, time_margin=2)
     # The stop is a WARNING record (stderr through logging.lastResort in a plain process:
     # tests/test_run_signals.py and tests/test_logging.py read it there).
     with logged() as said, pytest.raises(SystemExit) as ei:
         _slow_steps(run)
     assert ei.value.code == unbroken.EXIT_RESUMABLE == 75
-    assert time.time() < start + 1.5, "stopped after the budget ended"
+    assert time.time() < start + 6, "stopped after the budget ended"
     stop = run.counters.step
     assert stop >= 5, f"stopped at step {stop}, long before the budget required"
     assert _steps(d) == [stop]
@@ -310,10 +312,10 @@ def test_time_limit_saves_and_exits_75_before_the_budget(tmp_path, runs, monkeyp
 
 
 def test_slurm_job_end_time_is_a_deadline(tmp_path, runs, monkeypatch):
-    end = math.ceil(time.time()) + 1
+    end = math.ceil(time.time()) + 4  # whole seconds, as SLURM gives it; slack as above
     monkeypatch.setenv("SLURM_JOB_END_TIME", str(end))
     d = tmp_path / "run"
-    run = runs(d, **_net(), time_margin=0.3)
+    run = runs(d, **_net(), time_margin=1.5)
     with logged() as said, pytest.raises(SystemExit) as ei:
         _slow_steps(run)
     assert ei.value.code == 75

@@ -45,7 +45,7 @@ CHAR_LM = ROOT / "examples" / "char_lm.py"
 SEQ2SEQ = ROOT / "examples" / "seq2seq.py"
 PY = sys.executable
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-SLOW_SAVES = {**ENV, faults.PLAN_ENV: "slow:0.02"}
+SLOW_SAVES = {**ENV, faults.PLAN_ENV: "slow:0.06"}
 
 
 def _cli(

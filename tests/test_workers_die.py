@@ -56,11 +56,13 @@ def test_sigkill_of_the_trainer_frees_its_lock_and_its_workers(tmp_path: Path) -
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         WriterLock(str(run)).acquire()  # at once: no worker holds a copy of the trainer's lock
-        end = time.monotonic() + 1.0
+        # They notice within ~0.1 s; 30 s is what a loaded machine may take to schedule them
+        # (the loop ends as soon as they are gone). A worker that never exits still fails.
+        end = time.monotonic() + 30.0
         while time.monotonic() < end and any(_running(w) for w in workers):
             time.sleep(0.01)
         alive = [w for w in workers if _running(w)]
-        assert not alive, f"workers {alive} outlived the trainer by more than 1 s"
+        assert not alive, f"workers {alive} outlived the trainer by more than 30 s"
     finally:
         if proc.poll() is None:
             proc.kill()
