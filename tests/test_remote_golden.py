@@ -74,8 +74,11 @@ def test_char_lm_survives_the_loss_of_its_machine(s3, tmp_path, seed):
     assert all(item.valid for item in store.listing(checksums=True))
     shutil.rmtree(run)
 
-    # 2. Killed at a drawn step, after it resumed from the store.
+    # 2. Killed at a drawn step, after it resumed from the store. The final checkpoint's
+    # upload is held meanwhile: the run exits 0 only once the store has it, so the kill finds
+    # it alive however late it comes (then mid-way through that upload).
     j = rng.randint(k + 1, 11)
+    s3.proxy.hold(rf"^PUT .*step-{12:09d}/tensors-r00000\.bin")
     proc = start(run, s3.url)
     deadline = time.monotonic() + 120
     while logged_step(run) < j:
@@ -83,6 +86,8 @@ def test_char_lm_survives_the_loss_of_its_machine(s3, tmp_path, seed):
         assert time.monotonic() < deadline, "no progress"
         time.sleep(0.02)
     kill(proc)
+    s3.proxy.drop()  # a held upload (if the kill came that late) never arrives
+    s3.proxy.hold("(?!)")  # and none is held from now on
     shutil.rmtree(run)
 
     # 3. Relaunched on an empty directory: to the end, from the store.

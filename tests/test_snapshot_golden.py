@@ -51,18 +51,24 @@ def test_sigkill_at_random_moments_loses_at_most_one_step(tmp_path: Path) -> Non
     cmd += ["--", sys.executable, str(SCRIPT), *ARGS, "--run-dir", str(run)]
     cmd += ["--step-sleep", "0.05", "--snapshot-every", "1"]
     sup = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    reached = []
+    reached: list[int] = []
+    child = None
     try:
         for at in moments:
+            # Aim past the last step the previous trainer logged: a log at or under it may be
+            # that trainer's, read before its successor resumed (or even started), and a kill
+            # then would find no trainer, or one still starting (no resume event).
+            target = max(at, reached[-1] + 2) if reached else at
             deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
+            while True:
+                if time.monotonic() > deadline or sup.poll() is not None:
+                    raise AssertionError(f"the trainer never reached step {target}")
+                now = trainers(sup.pid)
                 steps = _logged_steps(run)
-                if steps and steps[-1] >= at:
-                    break
+                if steps and steps[-1] >= target and len(now) == 1 and now[0] != child:
+                    break  # the one trainer alive logged a step only it can have logged
                 time.sleep(0.01)
-            else:
-                raise AssertionError(f"the trainer never reached step {at}")
-            (child,) = trainers(sup.pid)
+            (child,) = now
             os.kill(child, signal.SIGKILL)
             while os.path.exists(f"/proc/{child}") and trainers(sup.pid) == [child]:
                 time.sleep(0.005)

@@ -167,6 +167,7 @@ class Outcome:
     stderr: str = ""
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    came: bool = False  # the plan's moment came (see launch)
 
     @property
     def hung(self) -> bool:
@@ -224,7 +225,7 @@ def launch(
     for t in pumps:
         t.start()
     deadline = t0 + scenario.timeout
-    sent = 0
+    sent, came = 0, False
     if plan is not None:
         if _wait_moment(proc, plan, scenario, lines, deadline, run_dir):
             rng = rng or random.Random()
@@ -233,6 +234,10 @@ def launch(
                     break
                 sent += signal_tree(proc.pid, getattr(signal, "SIG" + name), rng) > 0
                 time.sleep(gap)
+            # The moment came when the launch was signalled at it -- or, just after the final
+            # save, when the last line was printed: a launch may exit before any signal gets
+            # there, which is its contract then (exit 0) all the same.
+            came = sent > 0 or plan.after_final
     try:
         code: int | None = proc.wait(max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
@@ -245,7 +250,8 @@ def launch(
         proc.wait()
     for t in pumps:
         t.join(10)
-    return Outcome(plan, code, sent, "".join(out), "".join(err), seconds=time.monotonic() - t0)
+    seconds = time.monotonic() - t0
+    return Outcome(plan, code, sent, "".join(out), "".join(err), seconds=seconds, came=came)
 
 
 def _wait_moment(
