@@ -1,7 +1,11 @@
 """Stop signals from the first line of a script to process exit, against real processes.
 
 The child writes a marker file at the phase to hit (building data, resuming, inside the stop
-save, right after it, after the final save); the test waits for the marker, then signals. Each
+save, right after it, after the final save); the test waits for the marker, then signals. Where
+the child must go on only after the signal (``hold``), it waits there until the stop is recorded
+-- or for at most 5 s once the test created ``<marker>.sent`` right after signalling (a handler
+that records nothing), or 60 s -- so the signal lands in the phase aimed at however loaded the
+machine. Each
 phase must end in a resumable exit 75 -- or 0 once the final save committed -- (never a death
 by signal, never a corrupt-checkpoint error, never a stop swallowed by the code it landed in),
 and a relaunch must continue exactly: the runs are compared with an uninterrupted
@@ -38,6 +42,22 @@ def wait_here(name, seconds=30.0):
     mark(name)
     time.sleep(seconds)  # the test signals us here
 
+def hold(name, seen):
+    # The test signals us here; wait (nothing here is a safe point) until seen() says the handler
+    # recorded it -- sleeping, the handler runs as soon as the signal arrives.
+    mark(name)
+    sent = os.path.join(marks, name + ".sent")
+    deadline = time.monotonic() + 60
+    while not seen() and time.monotonic() < deadline:
+        if os.path.exists(sent):
+            deadline = min(deadline, time.monotonic() + 5)
+        time.sleep(0.01)
+
+def stop_recorded():
+    from unbroken import _signals
+    active = _signals._active
+    return _signals.pending() is not None or (active is not None and active.requested)
+
 if phase == "early-call":
     import unbroken
     unbroken.install_signal_handlers()  # the documented first line
@@ -51,7 +71,7 @@ if phase == "swallowed":  # a slow import inside a library's catch-all, then the
     from unbroken import Run  # imported now: the Run below starts at once
     unbroken.install_signal_handlers()
     try:
-        wait_here("imports", 1.0)
+        hold("imports", stop_recorded)
     except BaseException:
         pass  # e.g. an optional-dependency probe: whatever went wrong, go on
 if phase == "chain":
@@ -77,7 +97,7 @@ class SlowResume:
         return {"n": 1}
     def load_state_dict(self, state):
         if phase == "resume":
-            wait_here("resuming")
+            hold("resuming", stop_recorded)
 
 extra = {"slow": SlowResume()}
 options = dict(max_steps=int(os.environ.get("STEPS", "12")), save_every=4, progress=False)
@@ -93,15 +113,13 @@ if phase == "second-int":
     write = _store._storage.write_tensors
     def slow_write(*a, **k):
         if run._stop.requested:
-            mark("in-stop-save")
-            time.sleep(1.5)  # the test presses Ctrl-C again now
+            hold("in-stop-save", lambda: run._stop.count >= 2)  # the test presses Ctrl-C again
         return write(*a, **k)
     _store._storage.write_tensors = slow_write
 if phase == "after-stop-save":
     halt = type(run)._halt
     def halt_slowly(self, reason, **kw):
-        mark("stop-saved")
-        time.sleep(1.5)  # the test sends a second SIGTERM now
+        hold("stop-saved", lambda: run._stop.count >= 2)  # the test sends a second SIGTERM
         return halt(self, reason, **kw)
     type(run)._halt = halt_slowly
 
@@ -113,11 +131,13 @@ for xb, yb in run.loop(loader):
             p -= 0.05 * p.grad
             p.grad = None
     run.step(loss=loss)
-    mark(f"step-{run.counters.step}")
     if run.counters.step == int(os.environ.get("FIRST", "0")):
-        time.sleep(0.5)  # the first signal lands here, after this step, before the next
+        # the first signal lands here, after this step, before the next
+        hold(f"step-{run.counters.step}", lambda: run._stop.requested)
+    else:
+        mark(f"step-{run.counters.step}")
 if phase == "after-final":
-    wait_here("finished")
+    hold("finished", stop_recorded)
 print("done", flush=True)
 """
 
@@ -140,6 +160,7 @@ class Child:
         )
 
     def wait_mark(self, name: str) -> None:
+        self.waited = name
         deadline = time.monotonic() + TIMEOUT
         while not (self.marks / name).exists():
             if self.proc.poll() is not None:
@@ -149,7 +170,9 @@ class Child:
             time.sleep(0.005)
 
     def signal(self, sig: int) -> None:
+        """Send ``sig``, then tell a child holding at the marker waited for that it was sent."""
         self.proc.send_signal(sig)
+        (self.marks / f"{self.waited}.sent").touch()
 
     def finish(self) -> tuple[int, str, str]:
         try:

@@ -2,8 +2,12 @@
 
 The child (``_TRAIN``, written to the test's directory) trains a tiny model through
 ``unbroken.Run`` with two persistent DataLoader workers, sleeping in each step so that a signal
-lands mid-step; it prints ``start N`` when it begins and ``step N`` after each step. Every wait
-on a child has a timeout, and a child still running when a test ends is killed with its group.
+lands mid-step; it prints ``start N`` when it begins and ``step N`` after each step. With
+``--hold-after N`` it waits after printing ``step N`` (outside any safe point) until a stop is
+recorded -- or for at most 5 s once the test created ``<run_dir>.sent-N`` right after signalling
+(a handler that records nothing), or 60 s -- so the signal lands where the test aims it however
+loaded the machine. Every wait on a child has a timeout, and a child still running when a test
+ends is killed with its group.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ p.add_argument("--steps", type=int, default=15)
 p.add_argument("--sleep", type=float, default=0.05)
 p.add_argument("--save-every", type=int, default=None)
 p.add_argument("--signal-during-save-at", type=int, default=None)
+p.add_argument("--hold-after", type=int, default=None)
 a = p.parse_args()
 
 g = torch.Generator().manual_seed(0)
@@ -86,6 +91,15 @@ for x, y in run.loop(loader):
     time.sleep(a.sleep)
     run.step(loss=loss)
     print(f"step {run.counters.step}", flush=True)
+    if run.counters.step == a.hold_after:
+        # The test signals now; wait here (no run.step(), no fetch: no safe point) until the
+        # handler recorded the stop. Sleeping, the handler runs as soon as the signal arrives.
+        sent = f"{a.run_dir}.sent-{a.hold_after}"
+        deadline = time.monotonic() + 60
+        while not run._stop.requested and time.monotonic() < deadline:
+            if os.path.exists(sent):
+                deadline = min(deadline, time.monotonic() + 5)
+            time.sleep(0.01)
 print("done", flush=True)
 """
 
@@ -195,6 +209,11 @@ def train(tmp_path: Path):
     return launch
 
 
+def _sent(run_dir: Path, step: int) -> None:
+    """Tell a child held by ``--hold-after step`` that its signal was sent."""
+    Path(f"{run_dir}.sent-{step}").touch()
+
+
 def _latest(run_dir: Path) -> int:
     """Step of the newest checkpoint, checksums verified."""
     reader = CheckpointStore(str(run_dir)).latest(checksums=True)
@@ -223,21 +242,22 @@ def _relaunch_completes(train: Any, resume_step: int) -> None:
 
 def test_each_stop_signal_finishes_the_step_saves_it_and_exits_75(train):
     # One run stopped by each signal in turn (a fresh process each), then completed. The
-    # signal lands after step start+2 was logged: the stop is honoured at the next safe point,
-    # the start of step start+3 (nothing more is trained) or its run.step() (that step is).
+    # signal lands after step start+2 was logged (the child holds there until the stop is
+    # recorded): the stop is honoured at the next safe point, the start of step start+3, so
+    # nothing more is trained and step start+2 is saved.
     stop = 0
     for sig in ("SIGTERM", "SIGUSR1", "SIGINT"):
         start = stop
-        with train() as child:
+        with train("--hold-after", str(start + 2)) as child:
             child.wait_for(f"step {start + 2}")
             os.kill(child.pid, getattr(signal, sig))
+            _sent(train.run_dir, start + 2)
             code = child.finish()
         assert code == EXIT_RESUMABLE, (sig, child.stderr)
         assert child.stdout[0] == f"start {start}", (sig, child.stdout)
         stop = _stopped_at(child.stderr, f"signal {sig}")
-        assert start + 2 <= stop <= start + 3, (sig, stop)
-        # run.step() of the stop's step does not return: the child never printed it
-        assert child.stdout[-1] in (f"step {stop}", f"step {stop - 1}"), (sig, child.stdout)
+        assert stop == start + 2, (sig, stop)
+        assert child.stdout[-1] == f"step {stop}", (sig, child.stdout)
         assert _latest(train.run_dir) == stop, sig
         assert "Traceback" not in child.stderr, child.stderr
     _relaunch_completes(train, stop)
@@ -257,16 +277,17 @@ def test_sigterm_to_the_whole_process_group_then_kill_9_then_complete(train):
     first_stop = _stopped_at(child.stderr, "signal SIGTERM")
     assert _latest(train.run_dir) == first_stop
 
-    # kill -9 of the group one step past a checkpoint (two steps before the next): the log
-    # holds a step that no checkpoint has.
+    # kill -9 of the group one step past a checkpoint (two steps before the next; the child
+    # holds after that step until killed): the log holds a step that no checkpoint has.
     kill_after = next(s for s in range(first_stop + 2, STEPS) if s % 3 == 1)
-    with train("--save-every", "3", "--sleep", "0.1", new_session=True) as child:
+    with train("--save-every", "3", "--hold-after", str(kill_after), new_session=True) as child:
         child.wait_for(f"step {kill_after}")
         os.killpg(child.pid, signal.SIGKILL)
         assert child.finish() == -signal.SIGKILL
     assert child.stdout[0] == f"start {first_stop}"
+    assert child.stdout[-1] == f"step {kill_after}", child.stdout
     saved = _latest(train.run_dir)
-    assert saved >= kill_after - 1
+    assert saved == kill_after - 1
     logged = [m["step"] for m in read_metrics(str(train.run_dir))]
     assert logged[-1] > saved, "the killed process should have logged past its checkpoint"
 

@@ -83,14 +83,24 @@ def test_a_run_stepping_once_per_batch_is_not_warned(
 
 
 _NO_STEP = r"""
-import sys, time
+import os, sys, time
 import torch, unbroken
 data = torch.utils.data.TensorDataset(torch.arange(40, dtype=torch.float32)[:, None])
 loader = unbroken.DataLoader(data, batch_size=4, shuffle=True, seed=0, num_workers=1)
 run = unbroken.Run(sys.argv[1], loader=loader, progress=False)
 print("start", flush=True)
 for epoch in run.epochs(50):
-    for batch in loader:
+    for i, batch in enumerate(loader):
+        if epoch == 0 and i == 0:
+            # Inside the first batch (a fetch now is not a step boundary): the test sends
+            # SIGTERM now; wait until it is recorded (at most 5 s after the test's "sent"
+            # file, 60 s in all) so that it lands here however loaded the machine.
+            print("batch 0", flush=True)
+            deadline = time.monotonic() + 60
+            while not run._stop.requested and time.monotonic() < deadline:
+                if os.path.exists(sys.argv[1] + ".sent"):
+                    deadline = min(deadline, time.monotonic() + 5)
+                time.sleep(0.01)
         time.sleep(0.05)  # a training step, without run.step()
     print("epoch", epoch, flush=True)
 print("done", flush=True)
@@ -109,8 +119,9 @@ def test_a_stop_without_run_step_ends_at_the_epoch_end_with_that_error(tmp_path:
     )
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "start"
-    time.sleep(0.2)
+    assert proc.stdout.readline().strip() == "batch 0"  # the child waits for the SIGTERM
     proc.send_signal(signal.SIGTERM)
+    Path(f"{tmp_path / 'run'}.sent").touch()
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1, (proc.returncode, out, err)  # documented: an error, exit 1
     assert "ConfigError" in err and "run.step() was never called" in err, err
