@@ -223,8 +223,7 @@ class Run:
         if decision.final:
             c.complete = True
         if stop is not None:
-            # Logged before the save, so the checkpoint's log length includes it and a resume
-            # (which truncates the log to that length) keeps it.
+            # Logged before the save: the checkpoint's log length includes it, a resume keeps it.
             self._events.record("stop", reason=stop)
         if decision.save:
             # A stop's checkpoint must be committed before the process exits.
@@ -257,8 +256,7 @@ class Run:
         """
         shown = self._events.metrics is not None or self._progress is not None
         if isinstance(loss, torch.Tensor) and (shown or self.world_size > 1):
-            # .item() waits for the device: only when the value is logged, shown or averaged.
-            # The mean of one element is that element: a scalar loss skips the kernel.
+            # .item() waits for the device: only if logged, shown or averaged (a scalar: no mean).
             loss = (t if (t := loss.detach().float()).numel() == 1 else t.mean()).item()
         if self.world_size == 1:
             return seen, loss
