@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _revision import library_at  # bench/, first on sys.path when run as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ROOT / "tests" / "scripts" / "toy_dist.py"
 
@@ -72,13 +74,7 @@ def main() -> None:
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
-        before = tmp / "before"
-        before.mkdir()
-        archive = subprocess.run(
-            ["git", "archive", a.before, "unbroken"], cwd=ROOT, capture_output=True, check=True
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", str(before)], input=archive, check=True)
-        libs = {"before": before, "after": ROOT}
+        libs = {"before": library_at(a.before, tmp / "before"), "after": ROOT}
         rows = {}
         for world in a.worlds:
             run_dir = tmp / f"run-w{world}"

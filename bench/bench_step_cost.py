@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _revision import library_at  # bench/, first on sys.path when run as a script
+
 ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = """
@@ -62,13 +64,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2000)
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        before = Path(tmp) / "before"
-        before.mkdir()
-        archive = subprocess.run(
-            ["git", "archive", a.before, "unbroken"], cwd=ROOT, capture_output=True, check=True
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", str(before)], input=archive, check=True)
-        libs = {"before": before, "after": ROOT}
+        libs = {"before": library_at(a.before, Path(tmp) / "before"), "after": ROOT}
         got: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
         for i in range(a.repeats):
             for name in ("before", "after") if i % 2 == 0 else ("after", "before"):

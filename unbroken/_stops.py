@@ -57,54 +57,35 @@ def record(
         "reason": reason,
         "pid": os.getpid(),
     }
-    path = os.path.join(where, _protocol.STOP_MARKER.format(rank=rank))
+    _write(where, _protocol.STOP_MARKER.format(rank=rank), marker, "the stop marker")
+
+
+def _write(where: str, name: str, obj: dict[str, Any], what: str) -> None:
+    """``obj`` as ``where/name``, whole or not at all (a reader never sees half a file);
+    a failure is warned about, never raised."""
+    path = os.path.join(where, name)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         os.makedirs(where, exist_ok=True)
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(marker, f)
-        os.replace(tmp, path)  # a reader never sees half a marker
+            json.dump(obj, f)
+        os.replace(tmp, path)
     except OSError as e:
-        _log.warning("unbroken: could not write the stop marker %s: %s", path, e)
+        _log.warning("unbroken: could not write %s %s: %s", what, path, e)
 
 
 RUN_DIR_FILE = "run-dir.json"
 
 
 def tell_run_dir(run_dir: str) -> None:
-    """Tell the launcher which run directory this launch trains in, beside the stop markers.
+    """Tell the launcher which run directory this launch trains in, beside the stop markers
+    (read with :func:`unbroken._shm.read_channel`, the format of a snapshot area's channel).
     A supervisor with no snapshot area (``--no-snapshots``, or areas refused) has no other
     channel, and judges whether a crash made progress by that directory's checkpoints. Never
     raises: unknown, a crash counts as one without progress (retried with a backoff)."""
     where = os.environ.get(ENV)
-    if not where:
-        return
-    path = os.path.join(where, RUN_DIR_FILE)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        os.makedirs(where, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"run_dir": os.path.abspath(run_dir)}, f)
-        os.replace(tmp, path)
-    except OSError as e:
-        _log.warning("unbroken: could not tell the launcher the run directory (%s): %s", path, e)
-
-
-def told_run_dir(where: str) -> str | None:
-    """The run directory a launch told (:func:`tell_run_dir`): an existing absolute directory,
-    else None. ``where`` is the supervisor's own private (0700) stop directory."""
-    try:
-        fd = os.open(os.path.join(where, RUN_DIR_FILE), os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            run_dir = json.loads(f.read(65536).decode()).get("run_dir")
-    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
-        return None
-    if not isinstance(run_dir, str) or not os.path.isabs(run_dir) or not os.path.isdir(run_dir):
-        return None
-    return run_dir
+    if where:
+        _write(where, RUN_DIR_FILE, {"run_dir": os.path.abspath(run_dir)}, "the run directory")
 
 
 def read(where: str) -> list[dict[str, Any]]:

@@ -290,7 +290,8 @@ class Supervisor:
         # attempt: the next one must not start beside it. Signals still reach it meanwhile.
         stopped, left_note = launch.settle(rc, self.a.grace)
         self.launch = None
-        self.told = _stops.told_run_dir(launch.stop_dir) or self.told
+        told = os.path.join(launch.stop_dir, _stops.RUN_DIR_FILE)
+        self.told = _shm.read_channel(told) or self.told
         dur = time.monotonic() - t0
         sig = _signame(-rc) if rc < 0 else None
         att = Attempt(
