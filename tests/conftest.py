@@ -54,6 +54,7 @@ FAST_MODULES = frozenset(
         "test_direct_writer",
         "test_format_compat",
         "test_hooks",
+        "test_node_layout",
         "test_parallel_copy",
         "test_policy",
         "test_rng_cuda",

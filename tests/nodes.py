@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,7 @@ class Job:
     nodes: int
     per_node: int = 1
     slurm: bool = True
+    supervisor: tuple[str, ...] = ()  # options of every node's `unbroken run`
     procs: list[subprocess.Popen[str]] = field(default_factory=list)
 
     def node_command(self, i: int, port: int, *args: str) -> list[str]:
@@ -41,7 +43,7 @@ class Job:
         launcher += ["--nproc_per_node", str(self.per_node), "--rdzv_backend", "c10d"]
         launcher += ["--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", f"job{port}"]
         script = [str(tr.SCRIPT), "--run-dir", str(self.run_dir), *args]
-        return [*tr.supervised("--json", str(rep)), *launcher, *script]
+        return [*tr.supervised("--json", str(rep), *self.supervisor), *launcher, *script]
 
     def node_env(self, i: int) -> dict[str, str]:
         bindir = self.tmp / "bin"
@@ -86,18 +88,32 @@ def signal_nodes(procs: list[subprocess.Popen[str]], sig: int) -> int:
     return sent
 
 
-def snapshot_areas(proc: subprocess.Popen[str]) -> set[str]:
-    """The snapshot areas the processes of a node's tree were given (``UNBROKEN_SNAPSHOT_DIR``)."""
+def tree_env(proc: subprocess.Popen[str], name: str) -> set[str]:
+    """The values of environment variable ``name`` in the processes of a node's tree."""
     out = set()
+    key = name.encode() + b"="
     for pid in tree(proc.pid):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        for var in env:
-            if var.startswith(b"UNBROKEN_SNAPSHOT_DIR="):
-                out.add(var.split(b"=", 1)[1].decode())
+        out.update(var[len(key) :].decode() for var in env if var.startswith(key))
     return out
+
+
+def snapshot_areas(proc: subprocess.Popen[str]) -> set[str]:
+    """The snapshot areas the processes of a node's tree were given (``UNBROKEN_SNAPSHOT_DIR``)."""
+    return tree_env(proc, "UNBROKEN_SNAPSHOT_DIR")
+
+
+def wait_for_attempt(proc: subprocess.Popen[str], attempt: int) -> None:
+    """Until the node's supervisor has launched ``attempt`` (it persisted what it could of
+    the previous one first), bounded by tr.HANG."""
+    deadline = time.monotonic() + tr.HANG
+    while str(attempt) not in tree_env(proc, "UNBROKEN_ATTEMPT"):
+        assert proc.poll() is None, f"node exited {proc.returncode} before attempt {attempt}"
+        assert time.monotonic() < deadline, f"attempt {attempt} never started"
+        time.sleep(0.05)
 
 
 def lose_node(proc: subprocess.Popen[str]) -> set[str]:

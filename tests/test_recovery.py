@@ -94,3 +94,25 @@ def test_kills_after_progress_never_give_up_and_never_wait(
     assert [a["backoff_s"] for a in crashes] == [0.0] * 5, attempts
     assert [a["crash"] for a in crashes] == [1] * 5, attempts  # each one starts a new count
     assert_identical(ref, run)
+
+
+def test_the_persister_outlives_a_stop_signal_to_every_process_of_the_job(
+    tmp_path: Path,
+) -> None:
+    """A scheduler signals every process of a job, the supervisor's persister too, at the very
+    moment a crashed trainer may leave a snapshot to persist: the persister ignores stop
+    signals (the supervisor decides, and closing its stdin ends it)."""
+    from unbroken.cli._persister import Persister
+
+    p = Persister()
+    p.start()
+    assert p.proc is not None
+    try:
+        # Its handlers are in place once it answers a first request.
+        assert p.persist(str(tmp_path / "no-area"), str(tmp_path / "run")) is None
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT):
+            os.kill(p.proc.pid, sig)
+        assert p.persist(str(tmp_path / "no-area"), str(tmp_path / "run")) is None
+        assert p.proc.poll() is None
+    finally:
+        p.close()

@@ -171,6 +171,26 @@ def broadcast_object(obj: T, src: int = 0, what: str = "broadcast") -> T:
     return out
 
 
+def all_gather_json(obj: T, what: str = "gather") -> list[T]:
+    """``obj`` of every rank, in rank order, as JSON (never pickled: see broadcast_object)."""
+    if not active():
+        return [obj]
+    device = _device()
+    data = json.dumps(obj).encode()
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size())]
+    mine = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    bounded(dist.all_gather(sizes, mine, async_op=True), what)
+    most = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(most, dtype=torch.uint8, device=device)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    parts = [torch.empty(most, dtype=torch.uint8, device=device) for _ in range(world_size())]
+    bounded(dist.all_gather(parts, buf, async_op=True), what)
+    return [
+        json.loads(p[: int(s.item())].cpu().numpy().tobytes())
+        for p, s in zip(parts, sizes, strict=True)
+    ]
+
+
 def any_true(flag: bool, group: Any = None, what: str = "agreement") -> bool:
     """True on every rank if ``flag`` is true on any rank (an agreement point)."""
     if not active():

@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--bug", choices=["none", "generator"], default="none")
     p.add_argument("--pids", default=None)
+    p.add_argument("--snapshot-every", type=int, default=None)
     a = p.parse_args()
 
     rank, world = unbroken.init_distributed()
@@ -58,7 +59,12 @@ def main() -> None:
     if a.bug != "generator":
         comps["noise"] = noise
     run = unbroken.Run(
-        a.run_dir, **comps, save_every=a.save_every, max_steps=a.steps, progress=False
+        a.run_dir,
+        **comps,
+        save_every=a.save_every,
+        max_steps=a.steps,
+        progress=False,
+        snapshot_every=a.snapshot_every,
     )
     start = run.counters.step
     for xb, yb in run.loop(loader):

@@ -95,5 +95,8 @@ def serve(requests: IO[str], answers: IO[str]) -> None:
 
 
 def main() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; stdin EOF ends us
+    # The supervisor decides; stdin EOF ends us. A scheduler's stop reaches every process of
+    # the job, this one too, just when the supervisor may still need a persist.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     serve(sys.stdin, sys.stdout)

@@ -9,8 +9,9 @@ CHECKPOINTS = "checkpoints"
 STEP_DIGITS = 9
 PINNED = ".pinned"
 _STEP = re.compile(r"^step-(\d+)$")
-# Our transient names: a save in progress, a checkpoint being deleted, one being replaced.
-_TRANSIENT = re.compile(r"^\.(tmp|del|old)-step-(\d+)$")
+# Our transient names: a save in progress, a checkpoint being deleted, one being replaced, and
+# the node parts of a snapshot being merged (named by its manifest: parts of one snapshot only).
+_TRANSIENT = re.compile(r"^\.(tmp|del|old|part)-step-(\d+)(?:-[0-9a-f]{16})?$")
 
 
 def step_name(step: int) -> str:
@@ -37,6 +38,10 @@ def del_name(step: int) -> str:
 
 def old_name(step: int) -> str:
     return f".old-{step_name(step)}"
+
+
+def part_name(step: int, manifest_checksum: str) -> str:
+    return f".part-{step_name(step)}-{manifest_checksum}"
 
 
 def checkpoints_dir(run_dir: str) -> str:

@@ -26,6 +26,49 @@ SELF_CHECKSUM = "manifest_xxh3_64"
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 
 
+def build(
+    step: int, payload: Any, files: dict[str, tuple[int, str]], meta: dict[str, Any], world: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(state.json's document, the manifest) of a commit of ``payload`` (a state.Payload)
+    whose other files are ``files`` ({name: (size, xxh3)}). Plain JSON: rank 0 can hand both
+    to the ranks that commit the same checkpoint in other directories (store/_nodes.py)."""
+    import platform
+    import time
+
+    import torch
+
+    from .._version import __version__
+
+    state_doc = {"components": payload.global_trees}
+    data = dumps(state_doc)
+    files = {**files, STATE_FILE: (len(data), xxhash.xxh3_64_hexdigest(data))}
+    now = time.time()
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "epoch": meta.get("epoch"),
+        "samples": meta.get("samples"),
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+        "saved_at_unix": now,
+        "world_size": world,
+        "components": {
+            name: {"kind": payload.kinds.get(name, "stateful"), "rank_local": local}
+            for names, local in ((payload.global_trees, False), (payload.local_trees, True))
+            for name in names
+        },
+        "versions": {
+            "unbroken": __version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "files": {k: {"size": s, "xxh3_64": h} for k, (s, h) in sorted(files.items())},
+        "meta": meta,
+    }
+    manifest[SELF_CHECKSUM] = self_checksum(manifest)
+    return state_doc, manifest
+
+
 def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.json"
 

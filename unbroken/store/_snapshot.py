@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from typing import Any
 
 from .. import _log, _shm
@@ -37,8 +38,9 @@ from .._shm import ENV as ENV
 from .._shm import SHM
 from . import _fsops, _layout, _manifest, _storage
 from ._lock import WriterLock
+from ._nodes import NodeLayout, save_part
 from ._reader import CheckpointReader
-from ._safeio import safe_file
+from ._safeio import safe_file, safe_name
 from ._slots import Slots
 from ._store import CheckpointStore, Retention
 
@@ -76,6 +78,18 @@ class SnapshotArea:
         self.slots = Slots(root)
         self.disabled: str | None = None
         self._told: str | None = None
+        # A job over several nodes: this node's part of each snapshot (store/_nodes.py).
+        self.layout: NodeLayout | None = None
+        self.group: Any = None
+
+    def across_nodes(self, layout: NodeLayout, group: Any) -> None:
+        """Commit this node's part of each snapshot, with a copy of the previous node's
+        (``group``: a gloo group of every rank, for the copies)."""
+        self.layout, self.group = layout, group
+
+    def _leader(self) -> bool:
+        """The rank that commits in this area: rank 0, or each node's first rank."""
+        return self.layout.leader if self.layout is not None else _is_rank0()
 
     def fits(self, nbytes: int) -> bool:
         """Whether two snapshots of ``nbytes`` fit (the new one beside the previous one)."""
@@ -95,7 +109,7 @@ class SnapshotArea:
     def tell(self, run_dir: str) -> None:
         """Tell the supervisor the run directory (rank 0, once per directory): the only one
         it persists snapshots into, and where it looks for durable progress after a crash."""
-        if _is_rank0() and run_dir != self._told:
+        if self._leader() and run_dir != self._told:
             _shm.tell_run_dir(self.root, run_dir)
             self._told = run_dir
 
@@ -110,7 +124,10 @@ class SnapshotArea:
             self.tell(run_dir)  # before the snapshot: a supervisor persists only into it
         try:
             with _storage.data_files_into(self.slots):
-                path = self.store.save(step, payload, meta, group=group)
+                if self.layout is not None:
+                    path = save_part(self.store, step, payload, meta, self.layout, self.group)
+                else:
+                    path = self.store.save(step, payload, meta, group=group)
         except CheckpointWriteError as e:
             self.slots.aborted()
             self._turn_off(step, e)
@@ -119,7 +136,7 @@ class SnapshotArea:
             self.slots.aborted()  # not committed: the previous snapshot's slot stays in use
             raise
         self.slots.committed()
-        if _is_rank0():
+        if self._leader():
             self.store.apply_retention(step)
             self._drop_newer(step)
         return path
@@ -204,7 +221,9 @@ def persist(area: str, run_dir: str) -> int | None:
 
 
 def _persist_newest(candidates: list[tuple[int, str]], run_dir: str) -> int | None:
-    """Commit the newest candidate whose copy verifies; the others are reported and skipped."""
+    """Commit the newest candidate whose copy verifies; the others are reported and skipped. A
+    node's part of a snapshot (store/_nodes.py) is added to the merge of that snapshot in the
+    run directory, committed by whichever supervisor completes it."""
     for step, path in candidates:
         try:
             snap = CheckpointReader(path)
@@ -213,11 +232,67 @@ def _persist_newest(candidates: list[tuple[int, str]], run_dir: str) -> int | No
                 raise CheckpointError(
                     f"it is a snapshot of {named!r}, not of {run_dir}; not persisted there"
                 )
-            _commit_copy(snap, run_dir)
-            return step
+            if all(_is_file(snap.path, name) for name in snap.manifest["files"]):
+                _commit_copy(snap, run_dir)
+                return step
+            if _merge_part(snap, run_dir):
+                return step
+            log.info(
+                "unbroken: copied this node's part of the snapshot of step %d into %s; the "
+                "other nodes' supervisors add theirs",
+                step,
+                run_dir,
+            )
         except CheckpointError as e:
             log.warning("unbroken: in-memory snapshot %s not persisted: %s", path, e)
     return None
+
+
+def _is_file(directory: str, name: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(safe_name(directory, name)).st_mode)
+    except OSError:
+        return False
+
+
+def _merge_part(snap: CheckpointReader, run_dir: str) -> bool:
+    """Copy the files of a node's part of a snapshot that the merge in ``run_dir`` lacks
+    (each whole or not at all: fsynced, then renamed into place); when that completes the file
+    set, verify every checksum and commit it. Whether the snapshot is committed now."""
+    root = _layout.checkpoints_dir(run_dir)
+    os.makedirs(root, exist_ok=True)
+    final = os.path.join(root, _layout.step_name(snap.step))
+    if os.path.lexists(final):
+        return True  # another node's supervisor completed it first
+    own = str(snap.manifest[_manifest.SELF_CHECKSUM])
+    merge = os.path.join(root, _layout.part_name(snap.step, own))
+    os.makedirs(merge, mode=0o700, exist_ok=True)
+    names = sorted(snap.manifest["files"])
+    for name in names:
+        dst = safe_name(merge, name)
+        if os.path.lexists(dst) or not _is_file(snap.path, name):
+            continue
+        incoming = f"{dst}.incoming"
+        shutil.copyfile(safe_file(snap.path, name), incoming, follow_symlinks=False)
+        _fsops.fsync_file(incoming)
+        _fsops.rename(incoming, dst)
+    if not all(_is_file(merge, name) for name in names):
+        return False
+    try:
+        dst = os.path.join(merge, _manifest.MANIFEST)
+        shutil.copyfile(safe_file(snap.path, _manifest.MANIFEST), dst, follow_symlinks=False)
+        _fsops.fsync_file(dst)
+        copy = CheckpointReader(merge)
+        if copy.manifest.get(_manifest.SELF_CHECKSUM) != own:
+            raise CheckpointError(f"{snap.path} changed while it was copied")
+        copy.verify(checksums=True)  # every node's files, against the one manifest
+        _fsops.fsync_dir(merge)
+        _fsops.rename(merge, final)
+        _fsops.fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(merge, ignore_errors=True)  # a bad copy must not complete a later merge
+        raise
+    return True
 
 
 def _commit_copy(snap: CheckpointReader, run_dir: str) -> None:

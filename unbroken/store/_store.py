@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
 import shutil
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from .. import _dist, _log
 from .._errors import (
@@ -34,7 +31,6 @@ from .._errors import (
     write_error,
 )
 from .._logfile import open_regular
-from .._version import __version__
 from ..state import Payload
 from . import _fsops, _layout, _manifest, _storage
 from ._reader import CheckpointReader
@@ -226,23 +222,25 @@ class CheckpointStore:
             err = _attempt(lambda: self._prepare(tmp))
         self._agree(err, tmp, step, group)
         records: dict[str, tuple[int, str]] = {}
-
-        def write_rank_files() -> None:
-            records.update(_storage.write_tensors(tmp, payload.tensors, group))
-            name = _manifest.rank_file(rank)
-            doc = {"components": payload.local_trees}
-            records[name] = _fsops.write_file(os.path.join(tmp, name), _manifest.dumps(doc))
-            for fname in sorted(records):
-                _fsops.fsync_file(os.path.join(tmp, fname))
-
-        err = _attempt(write_rank_files)
+        err = _attempt(lambda: records.update(self._write_rank_files(tmp, payload, group)))
         self._agree(err, tmp, step, group)
         gathered = _dist.all_gather_object(records, group)
         if rank == 0:
             files = {k: v for part in gathered for k, v in part.items()}
-            err = _attempt(lambda: self._commit(tmp, final, step, payload, files, meta, world))
+            state, manifest = _manifest.build(step, payload, files, meta, world)
+            err = _attempt(lambda: self._install(tmp, final, state, manifest))
         self._agree(err, tmp, step, group)
         return final
+
+    def _write_rank_files(self, tmp: str, payload: Payload, group: Any) -> dict[str, Any]:
+        """This rank's tensor files and rank-RRRRR.json, fsynced; {file: (size, xxh3)}."""
+        records = dict(_storage.write_tensors(tmp, payload.tensors, group))
+        name = _manifest.rank_file(_dist.rank())
+        doc = {"components": payload.local_trees}
+        records[name] = _fsops.write_file(os.path.join(tmp, name), _manifest.dumps(doc))
+        for fname in sorted(records):
+            _fsops.fsync_file(os.path.join(tmp, fname))
+        return records
 
     def _prepare(self, tmp: str) -> None:
         os.makedirs(self.root, exist_ok=True)
@@ -252,45 +250,17 @@ class CheckpointStore:
                 shutil.rmtree(tmp)  # what could not be removed raises, naming its file
         _fsops.mkdir(tmp)
 
-    def _commit(
-        self,
-        tmp: str,
-        final: str,
-        step: int,
-        payload: Payload,
-        files: dict[str, tuple[int, str]],
-        meta: dict[str, Any],
-        world: int,
+    def _install(
+        self, tmp: str, final: str, state_doc: dict[str, Any], manifest: dict[str, Any]
     ) -> None:
-        state_doc = {"components": payload.global_trees}
-        files[_manifest.STATE_FILE] = _fsops.write_file(
-            os.path.join(tmp, _manifest.STATE_FILE), _manifest.dumps(state_doc)
-        )
-        _fsops.fsync_file(os.path.join(tmp, _manifest.STATE_FILE))
-        now = time.time()
-        manifest = {
-            "format": _manifest.FORMAT,
-            "format_version": _manifest.FORMAT_VERSION,
-            "step": step,
-            "epoch": meta.get("epoch"),
-            "samples": meta.get("samples"),
-            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
-            "saved_at_unix": now,
-            "world_size": world,
-            "components": {
-                name: {"kind": payload.kinds.get(name, "stateful"), "rank_local": local}
-                for names, local in ((payload.global_trees, False), (payload.local_trees, True))
-                for name in names
-            },
-            "versions": {
-                "unbroken": __version__,
-                "torch": torch.__version__,
-                "python": platform.python_version(),
-            },
-            "files": {k: {"size": s, "xxh3_64": h} for k, (s, h) in sorted(files.items())},
-            "meta": meta,
-        }
-        manifest[_manifest.SELF_CHECKSUM] = _manifest.self_checksum(manifest)
+        """state.json, then the manifest (last, fsynced), then the rename: the commit."""
+        step = int(manifest["step"])
+        state = os.path.join(tmp, _manifest.STATE_FILE)
+        size, digest = _fsops.write_file(state, _manifest.dumps(state_doc))
+        listed = manifest["files"][_manifest.STATE_FILE]
+        if (size, digest) != (listed["size"], listed["xxh3_64"]):
+            raise CheckpointError(f"{state} does not match the manifest built for it")
+        _fsops.fsync_file(state)
         path = os.path.join(tmp, _manifest.MANIFEST)
         _fsops.write_file(path, _manifest.dumps(manifest))
         _fsops.fsync_file(path)
@@ -318,11 +288,20 @@ class CheckpointStore:
             except OSError:
                 pass  # committed already; clean_stale() removes the leftover copy
 
-    def _agree(self, err: BaseException | None, tmp: str, step: int, group: Any = None) -> None:
+    def _agree(
+        self,
+        err: BaseException | None,
+        tmp: str,
+        step: int,
+        group: Any = None,
+        owner: bool | None = None,
+    ) -> None:
+        """Raise on every rank if the step failed on any; ``owner`` (default: rank 0) removes
+        the temporary directory."""
         failed = _dist.any_true(err is not None, group, what="commit verdict")
         if not failed:
             return
-        if _dist.rank() == 0:
+        if _dist.rank() == 0 if owner is None else owner:
             _fsops.remove_tree(tmp)
         if err is None:
             raise CheckpointWriteError(

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _dist, _log, _stops
-from .._shm import tell_run_dir
 from ..store import CheckpointReader
+from ..store._nodes import NodeLayout
 from ..store._snapshot import SnapshotArea, SnapshotsOff
 
 log = _log.get()
@@ -51,8 +51,8 @@ class Snapshots:
             # Every rank or none (a snapshot is collective); also: rank 0 cleaned first.
             if _dist.any_true(self.area is None):
                 self.area = None
-            elif _dist.any_true(_dist.broadcast_object(root, what="snapshot area") != root):
-                self._off_across_nodes(root)
+            elif _dist.active():
+                self._spread(root)
         if self.area is not None:
             # At once, not at the first snapshot: a run that saves durably at every step takes
             # none, and the supervisor still judges a crash's progress by this directory.
@@ -61,21 +61,26 @@ class Snapshots:
             # No area (--no-snapshots, refused, off): the launch's stop directory is the channel.
             _stops.tell_run_dir(run_dir)
 
-    def _off_across_nodes(self, root: str) -> None:
-        """Ranks under several supervisors (one per node): a snapshot is one checkpoint of
-        every rank, committed in one area, and ranks on other nodes cannot write into this
-        node's memory. Off, said once per node; the supervisor still learns the run directory
-        (a crash's progress is judged by its durable checkpoints)."""
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            tell_run_dir(root, self.run_dir)
-            log.warning(
-                "unbroken: in-memory snapshots are off: the ranks of this job are on %d nodes, "
-                "each under its own supervisor, and one node's memory holds only its own ranks' "
-                "part of a snapshot; a lost process or node costs the steps since the last "
-                "durable save (save_every) -- see docs/supervise.md#several-nodes",
-                _nodes(),
+    def _spread(self, root: str) -> None:
+        """Ranks under several supervisors (one per node, each with its own area): each node
+        commits its part of every snapshot, with a copy of the previous node's part, so any
+        one node can be lost (store/_nodes.py)."""
+        assert self.area is not None
+        layout = NodeLayout.of(_dist.all_gather_json(root, what="snapshot areas"), self.rank)
+        if layout is None:
+            return  # one area: whole snapshots, as in one process
+        if layout.leader and self.rank != 0:
+            self.area.store.clean_stale()  # rank 0 cleaned its own node's area at its creation
+        # Collective on every rank; gloo whatever the training's backend: the copies are of
+        # host memory (the snapshot's files).
+        self.area.across_nodes(layout, _dist.new_cpu_group())
+        if layout.leader:
+            log.info(
+                "unbroken: in-memory snapshots across %d nodes: each node keeps its ranks' part "
+                "and a copy of the previous node's (at most one lost node loses at most one "
+                "step)",
+                layout.nodes,
             )
-        self.area = None
 
     @property
     def active(self) -> bool:
@@ -109,10 +114,15 @@ class Snapshots:
     def _fits(self, payload: Any) -> bool:
         assert self.area is not None
         nbytes = sum(t.numel() * t.element_size() for t in payload.tensors.values())
-        ok = self.area.fits(nbytes) if self.rank == 0 else True
-        ok = _dist.broadcast_object(ok)
+        layout = self.area.layout
+        if layout is None:
+            ok = self.area.fits(nbytes) if self.rank == 0 else True
+            ok = _dist.broadcast_object(ok)
+        else:  # each node's own memory, for its ranks' part and the copy (about as large)
+            ok = self.area.fits(2 * nbytes) if layout.leader else True
+            ok = not _dist.any_true(not ok, what="snapshot memory")
         if not ok:
-            if self.rank == 0:
+            if self.area.disabled is not None:
                 log.warning("unbroken: %s", self.area.disabled)
             self.area = None
         return bool(ok)
@@ -139,11 +149,3 @@ class Snapshots:
             return reader
         log.info("unbroken: reading step %d from the in-memory snapshot", reader.step)
         return snap
-
-
-def _nodes() -> int:
-    """The job's node count as the launcher says it (torchrun: WORLD_SIZE / LOCAL_WORLD_SIZE)."""
-    try:
-        return max(2, int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"]))
-    except (KeyError, ValueError, ZeroDivisionError):
-        return 2
