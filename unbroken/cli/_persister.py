@@ -21,6 +21,12 @@ from typing import IO
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+LOCK_WAIT = 30.0
+"""Seconds a persist waits for the run directory's lock held by another process: in a job over
+several nodes the supervisors of the surviving nodes persist their parts of one snapshot at
+once (each persist takes well under a second)."""
+
+
 class PersistFailed(Exception):
     """The helper could not persist the snapshot (its message says why)."""
 
@@ -52,7 +58,7 @@ class Persister:
         if proc is None or proc.poll() is not None or proc.stdin is None or proc.stdout is None:
             from ..store._snapshot import persist  # the helper is gone: do it here
 
-            return persist(area, run_dir)
+            return persist(area, run_dir, wait=LOCK_WAIT)
         try:
             proc.stdin.write(json.dumps([area, run_dir]) + "\n")
             proc.stdin.flush()
@@ -87,7 +93,7 @@ def serve(requests: IO[str], answers: IO[str]) -> None:
         area, run_dir = json.loads(line)
         answer: dict[str, object]
         try:
-            answer = {"step": persist(area, run_dir)}
+            answer = {"step": persist(area, run_dir, wait=LOCK_WAIT)}
         except Exception as e:  # reported by the supervisor, which goes on supervising
             answer = {"error": f"{type(e).__name__}: {e}"}
         answers.write(json.dumps(answer) + "\n")

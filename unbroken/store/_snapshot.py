@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import time
 from typing import Any
 
 from .. import _log, _shm
@@ -186,11 +187,13 @@ def _is_rank0() -> bool:
     return _dist.rank() == 0
 
 
-def persist(area: str, run_dir: str) -> int | None:
+def persist(area: str, run_dir: str, wait: float = 0.0) -> int | None:
     """Commit the newest snapshot of ``area`` that verifies into ``run_dir`` if it is newer
     than every durable checkpoint there; returns its step, or None when there was nothing newer
     to keep. ``run_dir`` comes from the caller (the supervisor's channel), never from the area:
-    a snapshot that names another run directory is refused."""
+    a snapshot that names another run directory is refused. ``wait``: seconds to wait for the
+    run directory's lock when another process holds it (in a job over several nodes, the
+    supervisors of the surviving nodes persist their parts of one snapshot at once)."""
     if not os.path.isdir(area):
         return None
     os.makedirs(run_dir, exist_ok=True)
@@ -200,11 +203,7 @@ def persist(area: str, run_dir: str) -> int | None:
     if not candidates:
         return None
     lock = WriterLock(run_dir)
-    try:
-        lock.acquire()
-    except LockError as e:
-        log.warning("unbroken: cannot persist the in-memory snapshot of %s: %s", area, e)
-        raise
+    _acquire(lock, area, wait)
     try:
         step = _persist_newest(candidates, run_dir)
     finally:
@@ -218,6 +217,19 @@ def persist(area: str, run_dir: str) -> int | None:
         "unbroken: the trainer died; kept its in-memory snapshot of step %d in %s", step, run_dir
     )
     return step
+
+
+def _acquire(lock: WriterLock, area: str, wait: float) -> None:
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            lock.acquire()
+            return
+        except LockError as e:
+            if time.monotonic() >= deadline:
+                log.warning("unbroken: cannot persist the in-memory snapshot of %s: %s", area, e)
+                raise
+        time.sleep(0.05)
 
 
 def _persist_newest(candidates: list[tuple[int, str]], run_dir: str) -> int | None:
