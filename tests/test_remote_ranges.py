@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import unbroken
-from unbroken import CorruptCheckpointError
+from unbroken import CorruptCheckpointError, RemoteStoreError
 from unbroken.store import CheckpointReader, _remote_reader, _s3
 from unbroken.store._remote import RemoteStore
 from unbroken.store._remote_reader import ranges
@@ -160,3 +160,26 @@ def test_a_fetch_that_downloads_a_flipped_byte_commits_nothing(s3, tmp_path, sma
         RemoteStore(s3.url).fetch(step, str(run_dir))
     assert os.listdir(run_dir / "checkpoints") == []  # neither committed nor left half-made
     assert not os.path.exists(run_dir / "metrics.jsonl")
+
+
+def test_a_fetch_cut_across_tensors_commits_the_same_bytes(s3, tmp_path, small_parts):
+    path = saved(tmp_path, s3.url)
+    small_parts(300)
+    s3.proxy.fail_next(2, 500, match=r"^GET .*tensors-r00000.bin")  # retried
+    step = CheckpointReader(path).step
+    got = RemoteStore(s3.url).fetch(step, str(tmp_path / "fresh"))
+    for name in sorted(set(os.listdir(path)) - {"manifest.json"}):  # remote's lists the log
+        with open(os.path.join(path, name), "rb") as a, open(os.path.join(got, name), "rb") as b:
+            assert a.read() == b.read(), name
+    CheckpointReader(got).verify(checksums=True)
+    assert all(times == 0 for _, _, times in s3.proxy.fail), "a fault point was not reached"
+
+
+def test_a_fetch_from_a_failing_store_names_it_and_commits_nothing(s3, tmp_path, small_parts):
+    path = saved(tmp_path, s3.url)
+    small_parts(300)
+    s3.proxy.fail_next(1000, 503, match=r"^GET .*tensors-r00000.bin")
+    run_dir = tmp_path / "fresh"
+    with pytest.raises(RemoteStoreError, match="ServiceUnavailable"):
+        RemoteStore(s3.url).fetch(CheckpointReader(path).step, str(run_dir))
+    assert os.listdir(run_dir / "checkpoints") == []
