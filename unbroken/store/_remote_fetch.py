@@ -52,7 +52,6 @@ class _Download:
     def __init__(self, remote: RemoteReader, tmp: str) -> None:
         self.remote, self.tmp = remote, tmp
         self.lock = threading.Lock()
-        self.local = threading.local()
         self.fds: dict[str, int] = {}
 
     def run(self) -> None:
@@ -94,33 +93,48 @@ class _Download:
                 os.close(fd)
 
     def _get(self, task: tuple[str, int, list[tuple[_Region, int, int]]]) -> None:
+        """One ranged GET, streamed through a small buffer: each piece is written, and fed to
+        the hash of every region that lies wholly in this GET (its bytes arrive in order)."""
         name, start, pieces = task
-        r, _, hi = pieces[-1]
-        n = r.offset + hi - start
-        buf = getattr(self.local, "buf", None)
-        if buf is None or len(buf) < n:  # one buffer per thread: no fresh pages per GET
-            buf = self.local.buf = bytearray(n)
-        view = memoryview(buf)[:n]
-        self.remote.objects.get_into(self.remote._name(name), start, view)
+        last, _, hi = pieces[-1]
         fd = self.fds[name]
-        out, at = view, start
-        while out:
-            w = os.pwrite(fd, out, at)
-            out, at = out[w:], at + w
-        whole, split = [], []
+        inside = [r for r, lo, hi in pieces if r.want is not None and lo == 0 and hi == r.nbytes]
+        hashes: list[Any] = []
+        first = [0]  # inside[first[0]:] are the regions not yet fully fed
+
+        def begin() -> None:  # and again when a cut-off body is read anew
+            hashes[:] = [xxhash.xxh3_64() for _ in inside]
+            first[0] = 0
+
+        def sink(piece: memoryview, at: int) -> None:
+            out, pos = piece, at
+            while out:
+                w = os.pwrite(fd, out, pos)
+                out, pos = out[w:], pos + w
+            end = at + len(piece)
+            k = first[0]
+            while k < len(inside) and inside[k].offset < end:
+                r = inside[k]
+                a, b = max(at, r.offset), min(end, r.offset + r.nbytes)
+                hashes[k].update(piece[a - at : b - at])
+                if r.offset + r.nbytes > end:
+                    break  # continues in the next piece
+                k += 1
+                first[0] = k
+
+        self.remote.objects.get_stream(
+            self.remote._name(name), start, last.offset + hi - start, sink, begin
+        )
+        for r, h in zip(inside, hashes, strict=True):
+            r.got = h.hexdigest()
+        split, hashed = [], {id(r) for r in inside}
         with self.lock:
-            for r, lo, hi in pieces:
+            for r, _, _ in pieces:
                 r.left -= 1
-                if r.want is None:
-                    continue
-                if lo == 0 and hi == r.nbytes:
-                    whole.append(r)
-                elif r.left == 0:
+                if r.left == 0 and r.want is not None and id(r) not in hashed:
                     split.append(r)  # every piece written: hashed from the file
-        for r in whole:  # xxh3 releases the GIL: other GETs read on meanwhile
-            r.got = xxhash.xxh3_64_hexdigest(view[r.offset - start : r.offset - start + r.nbytes])
         for r in split:
-            r.got = _hash_range(fd, r.offset, r.nbytes, view)
+            r.got = _hash_range(fd, r.offset, r.nbytes)
 
     def _check(self, name: str, regions: list[_Region], rec: Any, chunked: bool) -> None:
         """What a local ``verify(checksums=True)`` checks: each chunk of a data file against
