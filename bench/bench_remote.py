@@ -19,8 +19,8 @@ small tensors beside them), committed locally once; interleaved, medians of N re
   load          ``RemoteReader.load_tensors`` into preallocated tensors: ranged GETs straight
                 into them, every chunk's xxh3 checked
   get           boto3's ``get_object(...).read()`` of each object
-  fetch         ``RemoteStore.fetch`` into an empty run directory (download, verify every
-                byte, commit), what a resume on a new machine does
+  fetch         ``RemoteStore.fetch`` into an empty run directory (download, every byte
+                hashed as it lands, commit), what a resume on a new machine does
   download_file boto3's ``download_file`` of each object, then an fsync of each file
 
 Part 2, a training loop (three 1024-wide layers, AdamW, a batch of 256, saving every 10 steps)
@@ -113,9 +113,8 @@ def make_checkpoint(root: str, mb: int) -> str:
 
 def timed(fn) -> float:
     # Every transfer starts with no dirty pages: the uploads just before leave ~190 MB (three
-    # copies of the checkpoint) for the kernel to write back, and whichever transfer fsyncs
-    # first -- the fetch, in this order -- paid for flushing them (its fsync waits for the
-    # disk the writeback keeps busy). Outside the clock, the same for every transfer.
+    # copies of the checkpoint) to write back, on which a transfer that fsyncs could wait.
+    # Outside the clock, the same for every transfer.
     os.sync()
     t0 = time.perf_counter()
     fn()

@@ -39,7 +39,7 @@ READ_BYTES = 1 << 20
 ``bytes`` of the size asked and copies it over, and a fetch wrote through a buffer as large as
 its GET: 8 MiB at a time faulted in fresh pages on every request (filling 64 MiB of new 8 MiB
 buffers took ~3x as long as refilling one 1 MiB buffer, 2026-12-04). 1 MiB pieces reuse warm
-memory; the fetch went from 0.86x to 1.02x of ``download_file`` with its streamed GETs."""
+memory (the load: 1-3% faster, within the noise of a shared machine)."""
 STREAM_ATTEMPTS = 4
 """Attempts of a ranged GET whose body is cut off mid-stream (botocore retries the rest)."""
 _CODES_CREDENTIALS = {
