@@ -13,8 +13,9 @@ with a snapshot every step, in three set-ups, interleaved, ``--repeats`` times e
 
 Each rank times every ``run.step()`` call (a snapshot is taken inside it); the per-step cost of
 a set-up is the median of rank 0's calls minus ``none``'s. The memory is the bytes in each
-area at the end (the newest snapshot: slots, copies and JSON; the slots hold two snapshots of
-the rank's own tensors). Prints a table and, last, one JSON line.
+area at the end, each file once (a committed snapshot's data files are links to the slots): the
+two slots of each rank's own tensors, the copy of the other node's files, and the JSON.
+Prints a table and, last, one JSON line.
 """
 
 from __future__ import annotations
@@ -53,10 +54,13 @@ for _ in run.loop(range(steps)):
     opt.zero_grad(); loss.backward(); opt.step()
     t0 = time.perf_counter(); run.step(loss=loss); calls.append(time.perf_counter() - t0)
 area = os.environ.get("UNBROKEN_SNAPSHOT_DIR")
-used = 0
+seen = {}  # a committed snapshot's data files are links to the slots: count each once
 if area:
     for d, _, files in os.walk(area):
-        used += sum(os.stat(os.path.join(d, f)).st_blocks * 512 for f in files)
+        for f in files:
+            st = os.stat(os.path.join(d, f))
+            seen[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+used = sum(seen.values())
 state = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3
 json.dump({"calls": calls[2:], "area_bytes": used, "state_bytes": state}, open(out, "w"))
 """
