@@ -169,6 +169,8 @@ class Standby:
             return None, ""
         code = spare.proc.poll()
         if self.attempt == n and code is None:
+            if self.idle:
+                _normal_priority(spare.tree.members())  # it may still be setting up
             try:
                 os.write(pipe, b"g")
             except OSError:
@@ -187,6 +189,23 @@ class Standby:
         self.spare = self.pipe = None
         if spare is not None and pipe is not None:
             _end(spare, pipe)
+
+
+def _normal_priority(pids: list[int]) -> None:
+    """Every thread of ``pids`` from ``SCHED_IDLE`` back to ``SCHED_OTHER``: a standby promoted
+    while still setting up must not finish it on idle time (the machine may be busy with
+    others' work). The standby does the same for itself in ``Run()`` (train/_standby.py)."""
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            except OSError:
+                pass  # a thread that ended meanwhile
 
 
 def _end(spare: _job.Launch, pipe: int) -> None:

@@ -46,6 +46,10 @@ CMD's exit code (torchrun exits 1); each rank says so in {_protocol.STOP_DIR}. P
 leaves running (the ranks of a killed torchrun, still saving) are waited for, up to --grace
 seconds, before anything is relaunched.
 
+Warm standby (with snapshots; not for launchers or one rank of several): once CMD opened its
+Run, a second CMD starts and waits inside its first Run(); it takes over when CMD dies (~1 s
+instead of ~3 s). Its pre-Run() output and side effects happen twice. --no-standby: off.
+
 SLURM (SLURM_JOB_ID set, --no-requeue not given): the job requeued is
 ${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}} for array jobs, else SLURM_JOB_ID; if
 scontrol is missing or fails, the failure is reported and CMD is relaunched in place. In a

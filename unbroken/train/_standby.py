@@ -113,13 +113,16 @@ def _threads() -> list[int]:
         return [0]
 
 
-def _set_name(name: bytes) -> bytes:
-    """Name the calling (main) thread, which names the process; returns the old name."""
+def _set_name(name: bytes | None) -> bytes | None:
+    """Name the calling (main) thread, which names the process (``ps``, ``top``); returns the
+    old name (None: unknown, nothing was changed)."""
+    if name is None:
+        return None
     try:
         with open("/proc/self/comm", "rb") as f:
             old = f.read().rstrip(b"\n")
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)  # 15 = PR_SET_NAME
-        return old
     except (OSError, AttributeError):
-        return name
+        return None
+    return old
