@@ -68,7 +68,8 @@ def _until(cond, what: str, sup: subprocess.Popen[bytes], timeout: float = 180):
 
 def _standby(sup: subprocess.Popen[bytes], trainer: int, waiting: bool = False) -> int | None:
     """The supervisor's standby beside ``trainer`` (``waiting``: only once it waits)."""
-    kids = [p for p in launches(sup.pid) if p != trainer and alive(p)]
+    # (its environment is readable once its exec is through)
+    kids = [p for p in launches(sup.pid) if p != trainer and alive(p) and attempt_of(p)]
     spare = [p for p in kids if not waiting or _comm(p) == WAITING]
     return spare[0] if spare else None
 
@@ -175,8 +176,9 @@ def test_stop_while_waiting_and_supervisor_killed(tmp_path: Path) -> None:
     run, report = tmp_path / "run", tmp_path / "report.json"
     sup = _supervise(run, report, [])
     try:
-        first = _until(lambda: trainers(sup.pid), "a trainer", sup)[0]
         _until(lambda: len(_logged_steps(run)) >= 3, "step 3", sup)
+        (first,) = trainers(sup.pid)
+        assert attempt_of(first) == 1
         os.kill(first, signal.SIGSTOP)
         spare = _until(lambda: _standby(sup, first), "a standby", sup)
         _lift(spare)
@@ -239,3 +241,54 @@ def test_standby_marker_and_when_it_is_off() -> None:
     assert off_reason(args, plain, {"WORLD_SIZE": "1"}, True) is None
     args.no_standby = True
     assert off_reason(args, plain, {}, True) == "--no-standby"
+
+
+_WAITER = """
+import os, sys, time
+from unbroken import _signals
+from unbroken.train import _standby
+t0 = time.time()
+_standby.wait_for_turn()
+_standby.wait_for_turn()  # a second Run(): no wait
+name = open("/proc/self/comm").read().strip()
+print(_signals.process_start() >= t0, "UNBROKEN_STANDBY" in os.environ, name, flush=True)
+"""
+
+
+@pytest.mark.parametrize("end", ["go", "eof", "stop"])
+def test_the_wait_itself(tmp_path: Path, end: str) -> None:
+    """The standby's side alone: "go" lets ``Run()`` on (its time budget counted from then,
+    its name and environment as a trainer's, a second ``Run()`` does not wait); EOF (the
+    supervisor gone) ends it with 75 and no stop marker; a stop signal while it waits ends it
+    with 75 and a stop marker, as any process stopped before training."""
+    r, w = os.pipe()
+    stops = tmp_path / "stops"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "UNBROKEN_SUPERVISED": "1"}
+    env.update({"UNBROKEN_STANDBY": str(r), "UNBROKEN_STOP_DIR": str(stops)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WAITER], env=env, pass_fds=(r,), stdout=subprocess.PIPE, text=True
+    )
+    os.close(r)
+    try:
+        deadline = time.monotonic() + 120
+        while _comm(proc.pid) != WAITING:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
+            time.sleep(0.01)
+        if end == "go":
+            os.write(w, b"g")
+        if end == "stop":
+            os.kill(proc.pid, signal.SIGTERM)  # the pipe stays open: no EOF to see
+        else:
+            os.close(w)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if end == "stop":
+            os.close(w)
+    if end == "go":
+        assert proc.returncode == 0 and out.split() == ["True", "False", "python"], out
+    else:
+        assert proc.returncode == 75 and out == "", (proc.returncode, out)
+        markers = sorted(os.listdir(stops)) if stops.exists() else []
+        assert markers == (["rank-00000.json"] if end == "stop" else []), markers

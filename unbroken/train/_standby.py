@@ -78,6 +78,7 @@ def _wait(fd: int) -> bool:
         _signals.honour_pending()
         ready, _, _ = select.select([fd], [], [], POLL)
         if ready:
+            _signals.honour_pending()  # a stop with the supervisor's end: a stop, said so
             try:
                 return bool(os.read(fd, 1))
             except OSError:
