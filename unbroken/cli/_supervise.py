@@ -47,8 +47,8 @@ leaves running (the ranks of a killed torchrun, still saving) are waited for, up
 seconds, before anything is relaunched.
 
 Warm standby (with snapshots; not for launchers or one rank of several): once CMD opened its
-Run, a second CMD starts and waits inside its first Run(); it takes over when CMD dies (~1 s
-instead of ~3 s). Its pre-Run() output and side effects happen twice. --no-standby: off.
+Run, a second CMD starts and waits inside its first Run(); it takes over when CMD dies, its
+imports and set-up done. Its pre-Run() output and side effects happen twice. --no-standby: off.
 
 SLURM (SLURM_JOB_ID set, --no-requeue not given): the job requeued is
 ${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}} for array jobs, else SLURM_JOB_ID; if
@@ -407,7 +407,7 @@ def register(subparsers: Any) -> None:
         "--no-standby",
         action="store_true",
         help="no warm standby (a second process of CMD that waits inside Run() and takes over "
-        "when the trainer dies: ~1 s recoveries instead of ~3 s; see docs/supervise.md)",
+        "when the trainer dies, with no process start on the way; see docs/supervise.md)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
