@@ -116,16 +116,17 @@ class Standby:
         self.idle: bool | None = None  # SCHED_IDLE while it sets up (probed once)
         self.told = False
 
-    def wait(self, launch: _job.Launch, n: int, since_ns: int) -> int:
+    def wait(self, launch: _job.Launch, n: int, since_ns: int, stopping: Callable[[], bool]) -> int:
         """Wait for launch ``n`` to end (its ``Popen.wait`` code); start the spare for attempt
-        ``n + 1`` once the launch opened its ``Run`` (wrote the channel after ``since_ns``)."""
+        ``n + 1`` once the launch opened its ``Run`` (wrote the channel after ``since_ns``),
+        unless the supervisor is ``stopping`` (nothing will be relaunched)."""
         proc = launch.proc
         while self.spare is None and self.off is None:
             try:
                 return proc.wait(timeout=0.1)
             except subprocess.TimeoutExpired:
                 pass
-            if self._run_opened(since_ns):
+            if not stopping() and self._run_opened(since_ns):
                 if _several_ranks(launch):
                     self.off = "the job runs several ranks"
                 else:

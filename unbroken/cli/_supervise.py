@@ -291,7 +291,7 @@ class Supervisor:
             # Its "no child running" entry is replaced by what happens now.
             self.received[-1:] = [self._forward(self.stop)]
         launch = self.launch
-        rc = self.standby.wait(launch, n, since)  # starts the next attempt's standby
+        rc = self.standby.wait(launch, n, since, lambda: self.stop is not None)  # + its standby
         # What CMD left running (ranks of a killed launcher, still saving) is part of this
         # attempt: the next one must not start beside it. Signals still reach it meanwhile.
         stopped, left_note = launch.settle(rc, self.a.grace)
