@@ -94,6 +94,19 @@ def _policies(pid: int) -> set[int]:
     return out
 
 
+def _release(held: list[int]) -> None:
+    """A failed test must not leave a trainer it held with SIGSTOP behind: stopped, it cannot
+    act on the SIGTERM its supervisor's death sends it."""
+    for pid in held:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stopped = f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+            if stopped:  # still the process held (a reused pid would not be stopped)
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, IndexError):
+            pass
+
+
 def _supervise(run: Path, report: Path, options: list[str]) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "unbroken", "run", "--json", str(report), "--max-retries", "10"]
@@ -113,6 +126,7 @@ def test_sigkill_at_drawn_moments_with_and_without_standby(tmp_path: Path, stand
     sup = _supervise(run, report, [] if standby else ["--no-standby"])
     reached: list[int] = []
     spares: list[int] = []
+    held: list[int] = []
     child = None
     idle = idle_undoable()
     try:
@@ -126,6 +140,7 @@ def test_sigkill_at_drawn_moments_with_and_without_standby(tmp_path: Path, stand
                 return now[0] if ok else None
 
             child = _until(trained, f"a trainer logging step {target}", sup)
+            held.append(child)
             os.kill(child, signal.SIGSTOP)  # held at this step until the standby exists
             if standby:
                 # Waiting, or still setting up (then it goes on when it reaches Run()): both
@@ -148,6 +163,7 @@ def test_sigkill_at_drawn_moments_with_and_without_standby(tmp_path: Path, stand
         if sup.poll() is None:
             sup.kill()
             sup.wait()
+        _release(held)
     text = out.decode(errors="replace")
     assert sup.returncode == 0, text[-4000:]
     resumes = _resumes(run)
@@ -175,10 +191,12 @@ def test_stop_while_waiting_and_supervisor_killed(tmp_path: Path) -> None:
     assert launch(SCRIPT, [*ARGS, "--run-dir", str(ref)]) == 0
     run, report = tmp_path / "run", tmp_path / "report.json"
     sup = _supervise(run, report, [])
+    held: list[int] = []
     try:
         _until(lambda: len(_logged_steps(run)) >= 3, "step 3", sup)
         (first,) = trainers(sup.pid)
         assert attempt_of(first) == 1
+        held.append(first)
         os.kill(first, signal.SIGSTOP)
         spare = _until(lambda: _standby(sup, first), "a standby", sup)
         _lift(spare)
@@ -194,6 +212,7 @@ def test_stop_while_waiting_and_supervisor_killed(tmp_path: Path) -> None:
             return now[0] if ok else None
 
         second = _until(second_trains, "a fresh trainer", sup)
+        held.append(second)
         os.kill(second, signal.SIGSTOP)  # held until its standby waits
         assert attempt_of(second) == 2, "the dead standby's attempt, launched afresh"
         third = _until(lambda: _standby(sup, second), "its standby", sup)
@@ -211,6 +230,7 @@ def test_stop_while_waiting_and_supervisor_killed(tmp_path: Path) -> None:
         if sup.poll() is None:
             sup.kill()
             sup.wait()
+        _release(held)
     attempts_run = read_metrics(str(run), events=True)
     stops = [r for r in attempts_run if r.get("event") == "stop"]
     assert stops, "the trainer saved and stopped when its supervisor died"
