@@ -9,7 +9,8 @@ unbroken script, and the channel of the snapshot area says so), the supervisor s
 the run directory (:mod:`unbroken.train._standby`). When attempt *n* ends and the policy
 relaunches, the supervisor persists the snapshot as before, writes "go", and adopts the waiting
 process as attempt *n + 1*; nothing in its environment changes. The next standby starts once
-that one has opened its ``Run`` (restored): it does not compete with the restore.
+that one has trained (a snapshot committed since its ``Run`` opened): a process start during
+the first step after the restore would slow it.
 
 Off (the supervisor launches afresh, as without a standby) with ``--no-standby`` or
 ``UNBROKEN_STANDBY=0``, without a snapshot area, and for launchers and multi-rank jobs (a
@@ -24,6 +25,7 @@ import argparse
 import os
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Mapping
 
 from .. import _protocol, _shm, _tree
@@ -33,6 +35,8 @@ LAUNCHERS = frozenset(
     {"torchrun", "accelerate", "deepspeed", "mpirun", "mpiexec", "srun", "horovodrun"}
 )
 RANK_COUNTS = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+UNSNAPPED = 10.0
+"""Seconds after a ``Run`` opened when its standby starts though no snapshot came."""
 NOTE = (
     "a warm standby (a second process of CMD, waiting inside Run() to take over when this one "
     "dies) is starting: what the script does before Run() -- its output, downloads -- happens "
@@ -134,12 +138,25 @@ class Standby:
         return proc.wait()
 
     def _run_opened(self, since_ns: int) -> bool:
+        """The launch opened its ``Run`` (it wrote the channel after ``since_ns``) and then
+        trained: a snapshot committed since, or :data:`UNSNAPPED` seconds passed (a trainer
+        that takes none). Not at once: a process start during the first step after a
+        restore slowed that step by ~0.5 s (performance.md), even under SCHED_IDLE."""
         assert self.area is not None
         try:
             st = os.stat(self.area.channel)
         except OSError:
             return False
-        return st.st_size > 0 and st.st_mtime_ns >= since_ns
+        if st.st_size == 0 or st.st_mtime_ns < since_ns:
+            return False
+        if time.time_ns() - st.st_mtime_ns > UNSNAPPED * 1e9:
+            return True
+        snaps = os.path.join(self.area.path, "checkpoints")  # (store/_layout.py)
+        try:
+            names = [n for n in os.listdir(snaps) if n.startswith("step-")]
+            return any(os.stat(os.path.join(snaps, n)).st_mtime_ns > st.st_mtime_ns for n in names)
+        except OSError:
+            return False
 
     def _start(self, n: int) -> None:
         assert self.area is not None
