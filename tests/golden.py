@@ -61,9 +61,37 @@ def is_persister(pid: int) -> bool:
         return False
 
 
+def attempt_of(pid: int) -> int | None:
+    """``UNBROKEN_ATTEMPT`` in the environment ``pid`` was started with (None: unreadable, say
+    while it is in the middle of ``exec``)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:
+        return None
+    for var in env:
+        if var.startswith(b"UNBROKEN_ATTEMPT="):
+            value = var.split(b"=", 1)[1]
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def launches(pid: int) -> list[int]:
+    """Supervisor ``pid``'s children but its persister: the command it runs and, beside it,
+    its warm standby (cli/_standby.py), ordered by attempt (unreadable ones last)."""
+    kids = [p for p in children(pid) if not is_persister(p)]
+    return sorted(kids, key=lambda p: (attempt_of(p) or 1 << 30, p))
+
+
 def trainers(pid: int) -> list[int]:
-    """The pids of supervisor ``pid``'s children but its persister: the command it runs."""
-    return [p for p in children(pid) if not is_persister(p)]
+    """The command supervisor ``pid`` runs (a list of one, or none): its child of the lowest
+    attempt, not its persister and not its warm standby (started with the next attempt's
+    environment). A child started with no readable attempt (in the middle of ``exec``) or a
+    command that is not a Python process counts only when it is the only one."""
+    kids = launches(pid)
+    if len(kids) > 1 and attempt_of(kids[0]) is not None:
+        return kids[:1]
+    return kids
 
 
 def expected_code(sig: str) -> int:

@@ -22,6 +22,11 @@ variable                    set by                              read by
 ``UNBROKEN_KEEP_ALL=1``     ``unbroken verify``                 ``Run``: keep every checkpoint,
                                                                 so both runs compare at every
                                                                 save (logged, never silent)
+``UNBROKEN_STANDBY=<fd>``   ``unbroken run``, for its warm      the first ``Run()``: wait until a
+                            standby only (the read end of a     byte comes ("go": promoted) or
+                            pipe it inherits)                   EOF (the supervisor is gone)
+``UNBROKEN_STANDBY=0``      the user, for ``unbroken run``      the supervisor: no standby (as
+                                                                ``--no-standby``)
 ==========================  ==================================  ==================================
 
 Marker files: a rank that saved and stopped (or was stopped while not training) writes
@@ -52,6 +57,7 @@ STOP_DIR = "UNBROKEN_STOP_DIR"
 JOB_TAG = "UNBROKEN_JOB"
 RUN_DIR = "UNBROKEN_RUN_DIR"
 KEEP_ALL = "UNBROKEN_KEEP_ALL"
+STANDBY = "UNBROKEN_STANDBY"
 
 STOP_MARKER = "rank-{rank:05d}.json"
 """The stop marker of one rank, in the launch's stop directory."""
@@ -72,11 +78,13 @@ class ProcessContext:
     run_dir: str | None = None
     keep_all: bool = False
     under_torchrun: bool = False
+    standby_fd: int | None = None
+    """A warm standby's pipe (docs/supervise.md): the first ``Run()`` waits on it."""
 
     @classmethod
     def read(cls, env: Mapping[str, str] | None = None) -> ProcessContext:
         e = os.environ if env is None else env
-        attempt = e.get(ATTEMPT, "")
+        attempt, standby = e.get(ATTEMPT, ""), e.get(STANDBY, "")
         return cls(
             supervised=e.get(SUPERVISED) == "1",
             attempt=int(attempt) if attempt.isdigit() else None,
@@ -86,6 +94,8 @@ class ProcessContext:
             run_dir=e.get(RUN_DIR) or None,
             keep_all=e.get(KEEP_ALL) == "1",
             under_torchrun=TORCHRUN_CHILD in e,
+            # fds 0-2 are never the pipe: UNBROKEN_STANDBY=0 is the user's opt-out, not a fd
+            standby_fd=int(standby) if standby.isdigit() and int(standby) > 2 else None,
         )
 
 
@@ -98,8 +108,10 @@ def launch_env(base: Mapping[str, str], *, job_tag: str, stop_dir: str) -> dict[
 def supervised_env(
     base: Mapping[str, str], *, attempt: int, snapshot_dir: str | None
 ) -> dict[str, str]:
-    """What ``unbroken run`` tells the command it supervises."""
-    env = {**base, ATTEMPT: str(attempt), SUPERVISED: "1"}
+    """What ``unbroken run`` tells the command it supervises (never a standby marker: the
+    user's opt-out, or one inherited from an outer supervisor, is not passed on)."""
+    env = {k: v for k, v in base.items() if k != STANDBY}
+    env.update({ATTEMPT: str(attempt), SUPERVISED: "1"})
     if snapshot_dir is not None:
         env[SNAPSHOT_DIR] = snapshot_dir
     return env

@@ -67,6 +67,9 @@ _wake = threading.Event()
 _started = False  # the backstop thread and the exit callback exist
 # The start of a time budget where /proc cannot tell when the process started.
 IMPORTED_AT = time.time()
+# When a warm standby was promoted to trainer (train/_standby.py): its budget starts there,
+# not at its start (it may have waited for hours).
+PROMOTED_AT = 0.0
 
 
 class StopRequest:
@@ -175,7 +178,12 @@ def at_fetch(loader: Any) -> None:
 
 def process_start() -> float:
     """When this process started (``time.time()`` scale): from ``/proc/self/stat`` on Linux,
-    else the time ``unbroken`` was imported. A ``time_limit`` is counted from here."""
+    else the time ``unbroken`` was imported; for a promoted standby, its promotion. A
+    ``time_limit`` is counted from here."""
+    return max(_started_at(), PROMOTED_AT)
+
+
+def _started_at() -> float:
     try:
         with open("/proc/self/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()

@@ -21,7 +21,7 @@ from typing import Any
 from .. import _protocol, _stops, _tree
 
 
-def _follow(supervisor: int) -> Any:
+def _follow(supervisor: int, idle: bool = False) -> Any:
     """A ``preexec_fn``: CMD gets SIGTERM when the supervisor dies (Linux ``PR_SET_PDEATHSIG``,
     kept across ``exec``), so a ``kill -9`` of ``unbroken run`` stops its trainer as a
     preemption would (save, exit 75) instead of leaving it training as an orphan that holds the
@@ -37,6 +37,10 @@ def _follow(supervisor: int) -> Any:
         prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
         if os.getppid() != supervisor:  # it died before the line above took effect
             os.kill(os.getpid(), signal.SIGTERM)
+        if idle:
+            # A warm standby: its set-up takes only CPU that training leaves (inherited by
+            # the threads it starts; train/_standby.py puts every one back at its promotion).
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
     return child
 
@@ -51,11 +55,24 @@ def discard(area: str) -> None:
 
 
 class Launch:
-    def __init__(self, cmd: list[str], env: dict[str, str], area: str, n: int) -> None:
+    def __init__(
+        self,
+        cmd: list[str],
+        env: dict[str, str],
+        area: str,
+        n: int,
+        *,
+        pass_fds: tuple[int, ...] = (),
+        idle: bool = False,
+    ) -> None:
+        """Start ``cmd`` as launch ``n`` (``pass_fds``, ``idle``: a warm standby's pipe, and
+        ``SCHED_IDLE`` until it is promoted; see :mod:`._standby`)."""
         self.tag = _tree.new_tag()
         self.stop_dir = os.path.join(area, f"attempt-{n}")
         env = _protocol.launch_env(env, job_tag=self.tag, stop_dir=self.stop_dir)
-        self.proc = subprocess.Popen(cmd, env=env, preexec_fn=_follow(os.getpid()))
+        self.proc = subprocess.Popen(
+            cmd, env=env, pass_fds=pass_fds, preexec_fn=_follow(os.getpid(), idle)
+        )
         self.tree = _tree.Tree(self.proc.pid, self.tag)
         # Whether a stop signal was forwarded only to processes with no handler for it (ranks
         # still importing): they died of it having trained nothing -- a stop, not a crash.

@@ -16,7 +16,7 @@ from typing import Any
 
 from .. import _protocol, _shm, _stops
 from .._exit import EXIT_FAILURE, EXIT_RESUMABLE, EXIT_USAGE
-from . import _job, _persister, _policy
+from . import _job, _persister, _policy, _standby
 
 FORWARDED = _policy.FORWARDED
 TAG = "unbroken run:"
@@ -45,6 +45,10 @@ Launchers (torchrun): when every rank saved and stopped, the attempt is resumabl
 CMD's exit code (torchrun exits 1); each rank says so in {_protocol.STOP_DIR}. Processes CMD
 leaves running (the ranks of a killed torchrun, still saving) are waited for, up to --grace
 seconds, before anything is relaunched.
+
+Warm standby (with snapshots; not for launchers or one rank of several): once CMD opened its
+Run, a second CMD starts and waits inside its first Run(); it takes over when CMD dies, its
+imports and set-up done. Its pre-Run() output and side effects happen twice. --no-standby: off.
 
 SLURM (SLURM_JOB_ID set, --no-requeue not given): the job requeued is
 ${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}} for array jobs, else SLURM_JOB_ID; if
@@ -162,6 +166,7 @@ class Supervisor:
         self.stops = _job.stop_area()  # where each launch's ranks say they saved and stopped
         self.told: str | None = None  # the run directory a launch told through its stop dir
         self.persister = _persister.Persister()
+        self.standby = _standby.Standby(args, cmd, self.stops, self.shm, _say)  # next attempt
 
     # -- signals ------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -271,10 +276,11 @@ class Supervisor:
         """Start CMD once and wait until it and what it left running are gone."""
         n = len(self.attempts) + 1
         env = _protocol.supervised_env(os.environ, attempt=n, snapshot_dir=self.area)
-        t0, wall0 = time.monotonic(), time.time()
+        t0, wall0, since = time.monotonic(), time.time(), time.time_ns()
         self.forwarded, self.received = False, []
+        self.launch, adopted = self.standby.take(n)  # the warm standby, promoted (if any)
         try:
-            self.launch = _job.Launch(self.cmd, env, self.stops, n)
+            self.launch = self.launch or _job.Launch(self.cmd, env, self.stops, n)
         except OSError as e:
             att = Attempt(n, wall0, 0.0, None, None, "not-started", "give-up")
             att.note = f"could not start {self.cmd[0]!r}: {e.strerror or e}"
@@ -285,7 +291,7 @@ class Supervisor:
             # Its "no child running" entry is replaced by what happens now.
             self.received[-1:] = [self._forward(self.stop)]
         launch = self.launch
-        rc = launch.proc.wait()
+        rc = self.standby.wait(launch, n, since, lambda: self.stop is not None)  # + its standby
         # What CMD left running (ranks of a killed launcher, still saving) is part of this
         # attempt: the next one must not start beside it. Signals still reach it meanwhile.
         stopped, left_note = launch.settle(rc, self.a.grace)
@@ -294,9 +300,8 @@ class Supervisor:
         self.told = _shm.read_channel(told) or self.told
         dur = time.monotonic() - t0
         sig = _signame(-rc) if rc < 0 else None
-        att = Attempt(
-            n, wall0, round(dur, 3), None if sig else rc, sig, "crash", "", note=left_note
-        )
+        note = "; ".join(filter(None, [adopted, left_note]))
+        att = Attempt(n, wall0, round(dur, 3), None if sig else rc, sig, "crash", "", note=note)
         att.signals = self.received  # the same list: later (between-attempt) ones land too
         self.attempts.append(att)
         end = _policy.End(rc, stopped, bool(launch.unhandled), self.forwarded)
@@ -398,6 +403,12 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="no in-memory snapshots (a crash then loses the steps since the last save)",
     )
+    p.add_argument(
+        "--no-standby",
+        action="store_true",
+        help="no warm standby (a second process of CMD that waits inside Run() and takes over "
+        "when the trainer dies, with no process start on the way; see docs/supervise.md)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
     p.add_argument(
@@ -440,6 +451,7 @@ def run(args: argparse.Namespace) -> int:
             os.close(sup.tty)
         if sup.launch is not None:
             sup.launch.kill()  # the supervisor failed itself: leave no rank behind
+        sup.standby.close()
         sup.persister.close()
         if sup.shm is not None:
             sup.shm.discard()

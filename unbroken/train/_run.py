@@ -40,7 +40,7 @@ from .._exit import EXIT_RESUMABLE
 from .._protocol import ProcessContext
 from ..data._contract import is_loader
 from ..state import Counters
-from . import _triggers
+from . import _standby, _triggers
 from ._audit import Audit
 from ._checkpointer import Checkpointer
 from ._components import remote_retention, retention, track
@@ -79,6 +79,7 @@ class Run:
         components: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
+        _standby.wait_for_turn()  # a warm standby waits here: before the lock and any read
         self.config, kwargs = split_arguments(config, components, kwargs)
         cfg = self.config
         self.dir = os.path.abspath(os.fspath(run_dir))
@@ -131,8 +132,7 @@ class Run:
             _signals.honour_pending()  # a stop before Run(): nothing trained yet, exit 75 now
         _signals.run_opening()
         if cfg.handle_signals:
-            # From now to process exit; until training starts a stop signal exits 75 at once
-            # (resuming is not training: nothing is lost).
+            # From now to exit; until training starts a stop exits 75 (resuming is not training).
             install_signal_handlers()
         self._checkpointer.open()
         try:

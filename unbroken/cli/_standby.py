@@ -1,0 +1,236 @@
+"""The supervisor's warm standby: the next attempt, started early and held inside ``Run()``.
+
+A relaunch used to pay for a new process -- the interpreter, ``import torch, unbroken`` and the
+script's own set-up before ``Run()`` -- before it could restore the snapshot: ~2.5 s of a
+~3 s recovery. So once the trainer of attempt *n* has opened its ``Run`` (the command is an
+unbroken script, and the channel of the snapshot area says so), the supervisor starts attempt
+*n + 1* beside it: the same command, the environment attempt *n + 1* will have, and a pipe
+(:data:`unbroken._protocol.STANDBY`). Its first ``Run()`` waits on the pipe before it touches
+the run directory (:mod:`unbroken.train._standby`). When attempt *n* ends and the policy
+relaunches, the supervisor persists the snapshot as before, writes "go", and adopts the waiting
+process as attempt *n + 1*; nothing in its environment changes. The next standby starts once
+that one has trained (a snapshot committed since its ``Run`` opened): a process start during
+the first step after the restore would slow it.
+
+Off (the supervisor launches afresh, as without a standby) with ``--no-standby`` or
+``UNBROKEN_STANDBY=0``, without a snapshot area, and for launchers and multi-rank jobs (a
+standby rank would join the job's rendezvous while it sets up; docs/design.md). A standby that
+died on its own is noticed at the promotion and replaced by a fresh launch; at the end of
+supervision it is killed with its whole tree (it never touched the run directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+from .. import _protocol, _shm, _tree
+from . import _job
+
+LAUNCHERS = frozenset(
+    {"torchrun", "accelerate", "deepspeed", "mpirun", "mpiexec", "srun", "horovodrun"}
+)
+RANK_COUNTS = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+UNSNAPPED = 10.0
+"""Seconds after a ``Run`` opened when its standby starts though no snapshot came."""
+NOTE = (
+    "a warm standby (a second process of CMD, waiting inside Run() to take over when this one "
+    "dies) is starting: what the script does before Run() -- its output, downloads -- happens "
+    "in it too; --no-standby turns it off"
+)
+
+
+def off_reason(
+    args: argparse.Namespace, cmd: list[str], env: Mapping[str, str], snapshots: bool
+) -> str | None:
+    """Why a job gets no standby, from the options, command and environment (None: it does)."""
+    if args.no_standby:
+        return "--no-standby"
+    if env.get(_protocol.STANDBY) == "0":
+        return f"{_protocol.STANDBY}=0"
+    if not snapshots:
+        return "no snapshot area"  # the standby would resume from an older durable checkpoint
+    words = [os.path.basename(w) for w in cmd[:3]]
+    if LAUNCHERS & set(words) or {"torch.distributed.run", "torch.distributed.launch"} & set(cmd):
+        return "CMD is a launcher"
+    for name in RANK_COUNTS:
+        value = env.get(name, "")
+        if value.isdigit() and int(value) > 1:
+            return f"{name}={value}: one rank of several"
+    return None
+
+
+def _several_ranks(launch: _job.Launch) -> bool:
+    """Whether the launch turned out to run ranks (a launcher behind a wrapper script)."""
+    members = launch.tree.members()
+    if _tree.agents(members):
+        return True
+    for pid in members:
+        for var in _tree._environ(pid).split(b"\0"):
+            name, _, value = var.partition(b"=")
+            if name.decode(errors="replace") in RANK_COUNTS and value.isdigit():
+                if int(value) > 1:
+                    return True
+    return False
+
+
+def idle_undoable() -> bool:
+    """Whether this process's children may enter ``SCHED_IDLE`` and leave it again (root with
+    CAP_SYS_NICE, or RLIMIT_NICE >= 20; the default limit 0 forbids the way back, and a
+    trainer stuck in SCHED_IDLE would starve). Tried in a thread of its own, which then ends."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    ok: list[bool] = []
+
+    def probe() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            ok.append(True)
+        except OSError:
+            pass
+
+    t = threading.Thread(target=probe, name="unbroken-sched-probe")
+    t.start()
+    t.join()
+    return bool(ok)
+
+
+class Standby:
+    """At most one waiting process, for the next attempt."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        cmd: list[str],
+        stops: str,
+        area: _shm.SupervisorArea | None,
+        say: Callable[[str], None],
+    ) -> None:
+        self.cmd, self.stops, self.area = cmd, stops, area
+        self.say = (lambda _: None) if args.quiet else say
+        self.off = off_reason(args, cmd, os.environ, area is not None)
+        self.spare: _job.Launch | None = None
+        self.pipe: int | None = None  # the write end; closed = EOF = "the supervisor is gone"
+        self.attempt = 0  # the attempt the spare is for
+        self.idle: bool | None = None  # SCHED_IDLE while it sets up (probed once)
+        self.told = False
+
+    def wait(self, launch: _job.Launch, n: int, since_ns: int, stopping: Callable[[], bool]) -> int:
+        """Wait for launch ``n`` to end (its ``Popen.wait`` code); start the spare for attempt
+        ``n + 1`` once the launch opened its ``Run`` (wrote the channel after ``since_ns``),
+        unless the supervisor is ``stopping`` (nothing will be relaunched)."""
+        proc = launch.proc
+        while self.spare is None and self.off is None:
+            try:
+                return proc.wait(timeout=0.1)
+            except subprocess.TimeoutExpired:
+                pass
+            if not stopping() and self._run_opened(since_ns):
+                if _several_ranks(launch):
+                    self.off = "the job runs several ranks"
+                else:
+                    self._start(n + 1)
+        return proc.wait()
+
+    def _run_opened(self, since_ns: int) -> bool:
+        """The launch opened its ``Run`` (it wrote the channel after ``since_ns``) and then
+        trained: a snapshot committed since, or :data:`UNSNAPPED` seconds passed (a trainer
+        that takes none). Not at once: a process start during the first step after a
+        restore slowed that step by ~0.5 s (performance.md), even under SCHED_IDLE."""
+        assert self.area is not None
+        try:
+            st = os.stat(self.area.channel)
+        except OSError:
+            return False
+        if st.st_size == 0 or st.st_mtime_ns < since_ns:
+            return False
+        if time.time_ns() - st.st_mtime_ns > UNSNAPPED * 1e9:
+            return True
+        snaps = os.path.join(self.area.path, "checkpoints")  # (store/_layout.py)
+        try:
+            names = [n for n in os.listdir(snaps) if n.startswith("step-")]
+            return any(os.stat(os.path.join(snaps, n)).st_mtime_ns > st.st_mtime_ns for n in names)
+        except OSError:
+            return False
+
+    def _start(self, n: int) -> None:
+        assert self.area is not None
+        if self.idle is None:
+            self.idle = idle_undoable()
+        env = _protocol.supervised_env(os.environ, attempt=n, snapshot_dir=self.area.path)
+        r, w = os.pipe()  # not inheritable (PEP 446): only the spare gets r, nobody gets w
+        env[_protocol.STANDBY] = str(r)
+        try:
+            spare = _job.Launch(self.cmd, env, self.stops, n, pass_fds=(r,), idle=self.idle)
+        except OSError as e:
+            os.close(w)
+            self.off = f"could not start one: {e}"
+            return
+        finally:
+            os.close(r)
+        self.spare, self.pipe, self.attempt = spare, w, n
+        if not self.told:
+            self.told = True
+            self.say(NOTE)
+
+    def take(self, n: int) -> tuple[_job.Launch | None, str]:
+        """Promote the spare to attempt ``n`` (after the snapshot was persisted): the launch,
+        or None when there is none to promote (launch afresh); and a note for the report."""
+        spare, pipe = self.spare, self.pipe
+        self.spare = self.pipe = None
+        if spare is None or pipe is None:
+            return None, ""
+        code = spare.proc.poll()
+        if self.attempt == n and code is None:
+            if self.idle:
+                _normal_priority(spare.tree.members())  # it may still be setting up
+            try:
+                os.write(pipe, b"g")
+            except OSError:
+                code = spare.proc.poll()
+            else:
+                os.close(pipe)
+                return spare, f"from the warm standby (pid {spare.pid})"
+        _end(spare, pipe)
+        if code is None:
+            return None, ""
+        return None, f"the warm standby had exited ({_code(code)}): launched afresh"
+
+    def close(self) -> None:
+        """Kill the spare, if any, with its whole tree (it never touched the run directory)."""
+        spare, pipe = self.spare, self.pipe
+        self.spare = self.pipe = None
+        if spare is not None and pipe is not None:
+            _end(spare, pipe)
+
+
+def _normal_priority(pids: list[int]) -> None:
+    """Every thread of ``pids`` from ``SCHED_IDLE`` back to ``SCHED_OTHER``: a standby promoted
+    while still setting up must not finish it on idle time (the machine may be busy with
+    others' work). The standby does the same for itself in ``Run()`` (train/_standby.py)."""
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            except OSError:
+                pass  # a thread that ended meanwhile
+
+
+def _end(spare: _job.Launch, pipe: int) -> None:
+    spare.kill()
+    spare.proc.wait()
+    os.close(pipe)
+
+
+def _code(code: int) -> str:
+    return f"killed by {_job._signame(-code)}" if code < 0 else f"exit {code}"

@@ -1,0 +1,129 @@
+"""The warm standby's side of ``Run()`` (docs/supervise.md, "Warm standby").
+
+``unbroken run`` starts a second process of the same command beside the trainer, with the next
+attempt's environment plus :data:`unbroken._protocol.STANDBY`: the read end of a pipe. That
+process runs the script as usual -- imports, data, model -- and its first ``Run()`` waits here,
+*before* it locks the run directory or reads a checkpoint, so it touches nothing the trainer
+owns. When the trainer dies the supervisor persists its newest snapshot, writes one byte and
+adopts the process as the next attempt: ``Run()`` goes on and resumes, with the imports and the
+script's set-up already done. EOF on the pipe means the supervisor is gone (it never closes the
+pipe otherwise before killing the standby): exit 75 and touch nothing.
+
+While it waits the process is blocked in ``select`` (it wakes every :data:`POLL` seconds to
+honour a stop signal, which ``import unbroken`` records under the supervisor): a stop ends it
+with 75 and a stop marker, as any process stopped before training. The supervisor may start it
+under ``SCHED_IDLE`` (only where it can be undone): every thread goes back to ``SCHED_OTHER``
+here at the promotion. Torch-free.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import select
+import stat
+import time
+
+from .. import _signals
+from .._exit import EXIT_RESUMABLE
+from .._protocol import STANDBY, ProcessContext
+
+log = logging.getLogger("unbroken.run")
+
+POLL = 0.2
+"""Seconds between looks at a recorded stop signal while waiting (``select`` is resumed after
+a signal handler, PEP 475, so only a timeout lets the loop see it)."""
+WAITING = b"standby-waiting"
+"""The process's name (``ps``, ``top``, /proc/PID/comm) while it waits: 15 bytes, the limit."""
+
+_asked = False  # only the first Run() of a process waits
+
+
+def wait_for_turn() -> None:
+    """In a warm standby: block until promoted (return) or told to go away (exit 75). Anywhere
+    else, and in every ``Run()`` after a process's first: return at once."""
+    global _asked
+    if _asked:
+        return
+    _asked = True
+    fd = ProcessContext.read().standby_fd
+    os.environ.pop(STANDBY, None)  # not for the script's children, nor a later Run()
+    if fd is None or not ProcessContext.read().supervised or not _is_pipe(fd):
+        return
+    name = _set_name(WAITING)
+    try:
+        promoted = _wait(fd)
+    finally:
+        os.close(fd)
+        _set_name(name)
+    if not promoted:
+        log.info("unbroken: the supervisor is gone; the standby exits (nothing was touched)")
+        raise SystemExit(EXIT_RESUMABLE)
+    _signals.PROMOTED_AT = time.time()  # a time_limit counts from here, not the process start
+    _normal_priority()
+
+
+def _is_pipe(fd: int) -> bool:
+    try:
+        return stat.S_ISFIFO(os.fstat(fd).st_mode)
+    except OSError:
+        return False
+
+
+def _wait(fd: int) -> bool:
+    """True when the supervisor wrote "go", False on EOF. A stop signal recorded meanwhile
+    ends the process with 75 and a stop marker (nothing was training, nothing is lost)."""
+    while True:
+        _signals.honour_pending()
+        ready, _, _ = select.select([fd], [], [], POLL)
+        if ready:
+            _signals.honour_pending()  # a stop with the supervisor's end: a stop, said so
+            try:
+                return bool(os.read(fd, 1))
+            except OSError:
+                return False
+
+
+def _normal_priority() -> None:
+    """Every thread back to ``SCHED_OTHER``: the policy is per thread, and threads started
+    while the process was idle (torch's pool) inherited ``SCHED_IDLE``. Again until no thread
+    is left idle (one may start a thread while we go), three rounds at most."""
+    idle = getattr(os, "SCHED_IDLE", None)
+    if idle is None or os.sched_getscheduler(0) != idle:
+        return  # started at the normal priority (the supervisor could not have undone it)
+    for _ in range(3):
+        changed = False
+        for tid in _threads():
+            try:
+                if os.sched_getscheduler(tid) == idle:
+                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                    changed = True
+            except OSError as e:  # a thread that ended; or (never seen) EPERM
+                if os.sched_getscheduler(0) == idle:
+                    log.warning("unbroken: the standby could not leave SCHED_IDLE: %s", e)
+                    return
+        if not changed:
+            return
+
+
+def _threads() -> list[int]:
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
+
+
+def _set_name(name: bytes | None) -> bytes | None:
+    """Name the calling (main) thread, which names the process (``ps``, ``top``); returns the
+    old name (None: unknown, nothing was changed)."""
+    if name is None:
+        return None
+    try:
+        with open("/proc/self/comm", "rb") as f:
+            old = f.read().rstrip(b"\n")
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)  # 15 = PR_SET_NAME
+    except (OSError, AttributeError):
+        return None
+    return old
