@@ -158,3 +158,17 @@ def assert_identical(ref_dir: Path, other_dir: Path, ignore: tuple[str, ...] = (
     assert len(ma) == len(mb), f"{len(ma)} vs {len(mb)} logged steps"
     for a, b in zip(ma, mb, strict=True):
         assert a == b, f"step {a.get('step')} logged {a} vs {b}"
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    """The steps the metrics log holds now ([] while it is missing or half written)."""
+    try:
+        return [r["step"] for r in read_metrics(str(run_dir))]
+    except (OSError, ValueError):
+        return []
+
+
+def resume_steps(run_dir: Path) -> list[int]:
+    """The steps the run resumed at, in order (the log's resume events)."""
+    events = read_metrics(str(run_dir), events=True)
+    return [r["step"] for r in events if r.get("event") == "resume"]

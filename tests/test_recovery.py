@@ -18,18 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.golden import ROOT, assert_identical, launch, trainers
-from unbroken import read_metrics
+from tests.golden import ROOT, assert_identical, launch, logged_steps, trainers
 
 SCRIPT = ROOT / "tests" / "scripts" / "toy_train.py"
 STEPS = 24
-
-
-def _logged_steps(run_dir: Path) -> list[int]:
-    try:
-        return [r["step"] for r in read_metrics(str(run_dir))]
-    except (OSError, ValueError):
-        return []
 
 
 def _kill_after_progress(sup: subprocess.Popen[bytes], run: Path, kills: int) -> list[int]:
@@ -40,7 +32,7 @@ def _kill_after_progress(sup: subprocess.Popen[bytes], run: Path, kills: int) ->
         target = (reached[-1] if reached else 0) + 2
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and sup.poll() is None:
-            steps = _logged_steps(run)
+            steps = logged_steps(run)
             if steps and steps[-1] >= target:
                 break
             time.sleep(0.01)
@@ -51,7 +43,7 @@ def _kill_after_progress(sup: subprocess.Popen[bytes], run: Path, kills: int) ->
         os.kill(child, signal.SIGKILL)
         while os.path.exists(f"/proc/{child}") and trainers(sup.pid) == [child]:
             time.sleep(0.005)
-        reached.append(_logged_steps(run)[-1])
+        reached.append(logged_steps(run)[-1])
     return reached
 
 

@@ -19,24 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.golden import ROOT, assert_identical, launch, trainers
-from unbroken import read_metrics
+from tests.golden import ROOT, assert_identical, launch, logged_steps, resume_steps, trainers
 
 SCRIPT = ROOT / "tests" / "scripts" / "toy_train.py"
 STEPS = 30
 ARGS = ["--steps", str(STEPS), "--save-every", "1000", "--workers", "0"]
-
-
-def _logged_steps(run_dir: Path) -> list[int]:
-    try:
-        return [r["step"] for r in read_metrics(str(run_dir))]
-    except (OSError, ValueError):
-        return []
-
-
-def _resumes(run_dir: Path) -> list[int]:
-    events = read_metrics(str(run_dir), events=True)
-    return [r["step"] for r in events if r.get("event") == "resume"]
 
 
 @pytest.mark.slow
@@ -64,7 +51,7 @@ def test_sigkill_at_random_moments_loses_at_most_one_step(tmp_path: Path) -> Non
                 if time.monotonic() > deadline or sup.poll() is not None:
                     raise AssertionError(f"the trainer never reached step {target}")
                 now = trainers(sup.pid)
-                steps = _logged_steps(run)
+                steps = logged_steps(run)
                 if steps and steps[-1] >= target and len(now) == 1 and now[0] != child:
                     break  # the one trainer alive logged a step only it can have logged
                 time.sleep(0.01)
@@ -72,14 +59,14 @@ def test_sigkill_at_random_moments_loses_at_most_one_step(tmp_path: Path) -> Non
             os.kill(child, signal.SIGKILL)
             while os.path.exists(f"/proc/{child}") and trainers(sup.pid) == [child]:
                 time.sleep(0.005)
-            reached.append(_logged_steps(run)[-1])
+            reached.append(logged_steps(run)[-1])
         out, _ = sup.communicate(timeout=300)
     finally:
         if sup.poll() is None:
             sup.kill()
     text = out.decode(errors="replace")
     assert sup.returncode == 0, text[-4000:]
-    resumes = _resumes(run)
+    resumes = resume_steps(run)
     assert len(resumes) == len(moments), (resumes, reached, text[-3000:])
     for last, resumed in zip(reached, resumes, strict=True):
         assert last - 1 <= resumed <= last, (reached, resumes)
@@ -114,6 +101,6 @@ def test_two_ranks_under_torchrun_lose_at_most_one_step(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     assert "kept the in-memory snapshot of step" in proc.stderr, proc.stderr[-3000:]
-    resumes = _resumes(run)
+    resumes = resume_steps(run)
     assert len(resumes) == 1 and 6 <= resumes[0] <= 7, resumes  # at most one step behind 7
     assert_identical(ref, run)

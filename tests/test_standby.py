@@ -23,7 +23,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.golden import ROOT, assert_identical, attempt_of, launch, launches, trainers
+from tests.golden import (
+    ROOT,
+    assert_identical,
+    attempt_of,
+    launch,
+    launches,
+    logged_steps,
+    resume_steps,
+    trainers,
+)
 from unbroken import read_metrics
 from unbroken._protocol import ProcessContext
 from unbroken._tree import alive
@@ -34,18 +43,6 @@ STEPS = 30
 ARGS = ["--steps", str(STEPS), "--save-every", "1000", "--workers", "0"]
 PROMOTED = r"from the warm standby \(pid (\d+)\)"  # the report's note (cli/_standby.py)
 WAITING = "standby-waiting"  # the standby's process name while it waits (train/_standby.py)
-
-
-def _logged_steps(run_dir: Path) -> list[int]:
-    try:
-        return [r["step"] for r in read_metrics(str(run_dir))]
-    except (OSError, ValueError):
-        return []
-
-
-def _resumes(run_dir: Path) -> list[int]:
-    events = read_metrics(str(run_dir), events=True)
-    return [r["step"] for r in events if r.get("event") == "resume"]
 
 
 def _comm(pid: int) -> str | None:
@@ -135,7 +132,7 @@ def test_sigkill_at_drawn_moments_with_and_without_standby(tmp_path: Path, stand
 
             def trained(target: int = target, prev: int | None = child) -> int | None:
                 now = trainers(sup.pid)
-                steps = _logged_steps(run)
+                steps = logged_steps(run)
                 ok = steps and steps[-1] >= target and len(now) == 1 and now[0] != prev
                 return now[0] if ok else None
 
@@ -157,7 +154,7 @@ def test_sigkill_at_drawn_moments_with_and_without_standby(tmp_path: Path, stand
                 assert launches(sup.pid) == [child], "no standby with --no-standby"
             os.kill(child, signal.SIGKILL)
             _until(lambda c=child: trainers(sup.pid) != [c], "the trainer gone", sup)
-            reached.append(_logged_steps(run)[-1])
+            reached.append(logged_steps(run)[-1])
         out, _ = sup.communicate(timeout=300)
     finally:
         if sup.poll() is None:
@@ -166,7 +163,7 @@ def test_sigkill_at_drawn_moments_with_and_without_standby(tmp_path: Path, stand
         _release(held)
     text = out.decode(errors="replace")
     assert sup.returncode == 0, text[-4000:]
-    resumes = _resumes(run)
+    resumes = resume_steps(run)
     assert len(resumes) == len(moments), (resumes, reached, text[-3000:])
     for last, resumed in zip(reached, resumes, strict=True):
         assert last - 1 <= resumed <= last, (reached, resumes)  # at most one step redone
@@ -193,7 +190,7 @@ def test_stop_while_waiting_and_supervisor_killed(tmp_path: Path) -> None:
     sup = _supervise(run, report, [])
     held: list[int] = []
     try:
-        _until(lambda: len(_logged_steps(run)) >= 3, "step 3", sup)
+        _until(lambda: len(logged_steps(run)) >= 3, "step 3", sup)
         (first,) = trainers(sup.pid)
         assert attempt_of(first) == 1
         held.append(first)
@@ -203,12 +200,12 @@ def test_stop_while_waiting_and_supervisor_killed(tmp_path: Path) -> None:
         _until(lambda: _standby(sup, first, waiting=True), "the standby waiting", sup)
         os.kill(spare, signal.SIGTERM)
         _until(lambda: not alive(spare), "the standby gone", sup)
-        killed_at = _logged_steps(run)[-1]
+        killed_at = logged_steps(run)[-1]
         os.kill(first, signal.SIGKILL)
 
         def second_trains() -> int | None:
             now = trainers(sup.pid)
-            ok = now and now[0] != first and _logged_steps(run)[-1:] >= [killed_at + 2]
+            ok = now and now[0] != first and logged_steps(run)[-1:] >= [killed_at + 2]
             return now[0] if ok else None
 
         second = _until(second_trains, "a fresh trainer", sup)
@@ -235,7 +232,7 @@ def test_stop_while_waiting_and_supervisor_killed(tmp_path: Path) -> None:
     stops = [r for r in attempts_run if r.get("event") == "stop"]
     assert stops, "the trainer saved and stopped when its supervisor died"
     # Only two processes ever opened the run: the first trainer and the fresh one.
-    assert len(_resumes(run)) == 1, _resumes(run)
+    assert len(resume_steps(run)) == 1, resume_steps(run)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "unbroken", "run", "--json", str(report), "--"]
     cmd += [sys.executable, str(SCRIPT), *ARGS, "--run-dir", str(run)]

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from .. import _dist
 from . import _layout, _manifest
 from ._safeio import safe_file
+from ._store import _attempt
 
 REPLICA_TAG = 7_000  # tags of the replica's point-to-point messages: REPLICA_TAG + file index
 
@@ -143,11 +144,3 @@ def _allocate(path: str, size: int) -> torch.Tensor | None:
     if not size:
         return None
     return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-
-
-def _attempt(fn: Any) -> BaseException | None:
-    try:
-        fn()
-    except Exception as e:  # agreed on by every rank, then raised (mapped) on each
-        return e
-    return None
