@@ -36,7 +36,8 @@ from tests.golden import (
 from unbroken import read_metrics
 from unbroken._protocol import ProcessContext
 from unbroken._tree import alive
-from unbroken.cli._standby import idle_undoable, off_reason
+from unbroken import _shm
+from unbroken.cli._standby import UNSNAPPED, Standby, idle_undoable, off_reason
 
 SCRIPT = ROOT / "tests" / "scripts" / "toy_train.py"
 STEPS = 30
@@ -309,3 +310,23 @@ def test_the_wait_itself(tmp_path: Path, end: str) -> None:
         assert proc.returncode == 75 and out == "", (proc.returncode, out)
         markers = sorted(os.listdir(stops)) if stops.exists() else []
         assert markers == (["rank-00000.json"] if end == "stop" else []), markers
+
+
+def test_a_run_opening_is_seen_whatever_the_file_clock(tmp_path: Path) -> None:
+    """The supervisor starts the next standby once the trainer's ``Run`` rewrote the channel:
+    seen by the channel moving past its mark, not by comparing its time with the supervisor's
+    clock. File times come from the kernel's coarse clock, up to a tick behind
+    ``time.time_ns()``: a standby promoted at once wrote the channel "before" the attempt began
+    (0.4 ms, seen), and no standby came after it. Here the lag is exaggerated past UNSNAPPED."""
+    area = _shm.SupervisorArea.create(str(tmp_path))
+    args = type("A", (), {"no_standby": False, "quiet": True})()
+    sb = Standby(args, ["python", "t.py"], str(tmp_path / "stops"), area, lambda _: None)
+    previous = time.time_ns() - 120 * 10**9
+    assert _shm.tell_run_dir(area.path, str(tmp_path / "run"))  # the previous attempt's Run
+    os.utime(area.channel, ns=(previous, previous))
+    mark = sb.mark()
+    assert not sb._run_opened(mark)
+    assert _shm.tell_run_dir(area.path, str(tmp_path / "run"))  # this attempt's Run opens
+    behind = time.time_ns() - int((UNSNAPPED + 1) * 10**9)  # behind any clock, past the mark
+    os.utime(area.channel, ns=(behind, behind))
+    assert sb._run_opened(mark)

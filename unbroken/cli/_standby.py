@@ -120,9 +120,23 @@ class Standby:
         self.idle: bool | None = None  # SCHED_IDLE while it sets up (probed once)
         self.told = False
 
-    def wait(self, launch: _job.Launch, n: int, since_ns: int, stopping: Callable[[], bool]) -> int:
+    def mark(self) -> int:
+        """The channel's modification time now (-1: none), taken before an attempt starts:
+        the attempt's ``Run`` opening rewrites the channel, which moves it past the mark.
+
+        A mark, not the supervisor's clock: a file's times come from the kernel's coarse clock,
+        which lags ``time.time_ns()`` by up to a tick (4 ms). A standby promoted at once wrote
+        the channel 0.4 ms "before" the attempt started, and the next standby never came."""
+        if self.area is None:
+            return -1
+        try:
+            return os.stat(self.area.channel).st_mtime_ns
+        except OSError:
+            return -1
+
+    def wait(self, launch: _job.Launch, n: int, mark: int, stopping: Callable[[], bool]) -> int:
         """Wait for launch ``n`` to end (its ``Popen.wait`` code); start the spare for attempt
-        ``n + 1`` once the launch opened its ``Run`` (wrote the channel after ``since_ns``),
+        ``n + 1`` once the launch opened its ``Run`` (moved the channel past :meth:`mark`),
         unless the supervisor is ``stopping`` (nothing will be relaunched)."""
         proc = launch.proc
         while self.spare is None and self.off is None:
@@ -130,15 +144,15 @@ class Standby:
                 return proc.wait(timeout=0.1)
             except subprocess.TimeoutExpired:
                 pass
-            if not stopping() and self._run_opened(since_ns):
+            if not stopping() and self._run_opened(mark):
                 if _several_ranks(launch):
                     self.off = "the job runs several ranks"
                 else:
                     self._start(n + 1)
         return proc.wait()
 
-    def _run_opened(self, since_ns: int) -> bool:
-        """The launch opened its ``Run`` (it wrote the channel after ``since_ns``) and then
+    def _run_opened(self, mark: int) -> bool:
+        """The launch opened its ``Run`` (it wrote the channel: newer than ``mark``) and then
         trained: a snapshot committed since, or :data:`UNSNAPPED` seconds passed (a trainer
         that takes none). Not at once: a process start during the first step after a
         restore slowed that step by ~0.5 s (performance.md), even under SCHED_IDLE."""
@@ -147,7 +161,7 @@ class Standby:
             st = os.stat(self.area.channel)
         except OSError:
             return False
-        if st.st_size == 0 or st.st_mtime_ns < since_ns:
+        if st.st_size == 0 or st.st_mtime_ns <= mark:
             return False
         if time.time_ns() - st.st_mtime_ns > UNSNAPPED * 1e9:
             return True

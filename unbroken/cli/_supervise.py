@@ -276,7 +276,7 @@ class Supervisor:
         """Start CMD once and wait until it and what it left running are gone."""
         n = len(self.attempts) + 1
         env = _protocol.supervised_env(os.environ, attempt=n, snapshot_dir=self.area)
-        t0, wall0, since = time.monotonic(), time.time(), time.time_ns()
+        t0, wall0, mark = time.monotonic(), time.time(), self.standby.mark()
         self.forwarded, self.received = False, []
         self.launch, adopted = self.standby.take(n)  # the warm standby, promoted (if any)
         try:
@@ -291,7 +291,7 @@ class Supervisor:
             # Its "no child running" entry is replaced by what happens now.
             self.received[-1:] = [self._forward(self.stop)]
         launch = self.launch
-        rc = self.standby.wait(launch, n, since, lambda: self.stop is not None)  # + its standby
+        rc = self.standby.wait(launch, n, mark, lambda: self.stop is not None)  # + its standby
         # What CMD left running (ranks of a killed launcher, still saving) is part of this
         # attempt: the next one must not start beside it. Signals still reach it meanwhile.
         stopped, left_note = launch.settle(rc, self.a.grace)
