@@ -2,6 +2,10 @@
 
     .venv/bin/python bench/bench_stop_exit.py [--repeats 5]
 
+Two variants, interleaved in every repeat: ``quick`` (the default: after a stop the process
+skips the interpreter's final collections and the native destructors, unbroken/_quick_exit.py)
+and ``off`` (``UNBROKEN_QUICK_EXIT=0``: the interpreter's whole finalization).
+
 examples/char_lm.py (its defaults, ``--save-every 1000``) is started through a small wrapper
 that records, in the trainer, when ``Run._halt`` (the stop, after its save) begins, when the
 script's ``__main__`` has unwound (the loader's workers shut down), and when the last ``atexit``
@@ -51,13 +55,14 @@ finally:
 """
 
 
-def once(tmp: Path) -> dict[str, float]:
+def once(tmp: Path, quick: bool) -> dict[str, float]:
     run = tmp / "run"
     shutil.rmtree(run, ignore_errors=True)
     times = tmp / "times.json"
     cmd = [sys.executable, "-c", WRAPPER, str(times), str(ROOT / "examples" / "char_lm.py")]
     cmd += ["--run-dir", str(run), "--steps", "400", "--save-every", "1000"]
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "UNBROKEN_QUICK_EXIT": "1" if quick else "0"}
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     log = run / "metrics.jsonl"
     while not log.exists() or len(log.read_text().splitlines()) < 15:
         if p.poll() is not None:
@@ -86,11 +91,18 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=5)
     a = p.parse_args()
+    runs: dict[str, list[dict[str, float]]] = {"quick": [], "off": []}
     with tempfile.TemporaryDirectory() as tmp_s:
-        runs = [once(Path(tmp_s)) for _ in range(a.repeats)]
-    med = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
-    for k, v in med.items():
-        print(f"{k:>28} {v:7.3f} s")
+        for _ in range(a.repeats):
+            for label in runs:
+                runs[label].append(once(Path(tmp_s), label == "quick"))
+    med = {
+        label: {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0]}
+        for label, rs in runs.items()
+    }
+    print(f"{'median, seconds':>28} {'quick':>7} {'off':>7}")
+    for k in med["quick"]:
+        print(f"{k:>28} {med['quick'][k]:7.3f} {med['off'][k]:7.3f}")
     load = os.getloadavg()[0]
     print(
         json.dumps(

@@ -33,10 +33,9 @@ from tests.golden import (
     resume_steps,
     trainers,
 )
-from unbroken import read_metrics
+from unbroken import _shm, read_metrics
 from unbroken._protocol import ProcessContext
 from unbroken._tree import alive
-from unbroken import _shm
 from unbroken.cli._standby import UNSNAPPED, Standby, idle_undoable, off_reason
 
 SCRIPT = ROOT / "tests" / "scripts" / "toy_train.py"

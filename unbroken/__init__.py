@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import _lazy
+from . import _lazy, _quick_exit
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -29,6 +29,8 @@ from ._exit import EXIT_RESUMABLE
 from ._protocol import ProcessContext as _ProcessContext
 from ._signals import install_signal_handlers
 from ._version import __version__
+
+_quick_exit.register()  # first of unbroken's atexit handlers: it runs after the others
 
 if _ProcessContext.read().supervised:
     # Launched by `unbroken run`: a stop signal from here on (imports, data building, resume)

@@ -11,12 +11,10 @@ with a dead rank hang rather than fail. Each is issued asynchronously and polled
 from __future__ import annotations
 
 import atexit
-import ctypes
 import gc
 import itertools
 import json
 import os
-import sys
 import time
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -24,6 +22,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from . import _quick_exit
 from ._errors import CollectiveTimeoutError
 
 T = TypeVar("T")
@@ -253,16 +252,4 @@ def _teardown() -> None:
         except Exception:  # an exit goes on: a group that cannot be destroyed is skipped
             pass
     gc.collect()
-    _skip_native_destructors()
-
-
-def _skip_native_destructors() -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None)
-        on_exit = libc.on_exit  # glibc: handler(status, arg), run LIFO by exit()
-        on_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        on_exit(ctypes.cast(libc._exit, ctypes.c_void_p), None)  # _exit(status)
-    except (OSError, AttributeError):
-        pass  # not glibc: the teardown runs as usual
+    _quick_exit.skip_native_destructors()

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from . import _protocol, _stops
+from . import _protocol, _quick_exit, _stops
 from ._exit import EXIT_RESUMABLE
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -252,6 +252,7 @@ def exit_not_training(signum: int) -> None:
     name = signal.Signals(signum).name
     _say(f"{name} while not training (nothing to save); exit 75, relaunch to go on")
     _stops.record(None, f"{name} while not training")
+    _quick_exit.arm()
     raise SystemExit(EXIT_RESUMABLE)
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .. import _dist, _signals, _stops
+from .. import _dist, _quick_exit, _signals, _stops
 from .._determinism import warn_determinism
 from .._errors import ConfigError
 from .._exit import EXIT_RESUMABLE
@@ -278,6 +278,7 @@ class Run:
         if self.config.exit_on_stop:
             self._events.stopped(reason, saved=saved)
             _stops.record(self.counters.step, reason, self.rank, self.world_size)  # for launchers
+            _quick_exit.arm()
             raise SystemExit(EXIT_RESUMABLE)  # every rank stops at this step (_dist.clean_exit)
         return True
 
@@ -292,6 +293,7 @@ class Run:
         self.stopped = True
         self.close()
         self._events.stopped(reason)
+        _quick_exit.arm()
 
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """Epoch numbers from the one in progress to ``num_epochs - 1``; then ``finish()``."""
