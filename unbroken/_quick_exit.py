@@ -39,10 +39,9 @@ import sys
 
 ENV = "UNBROKEN_QUICK_EXIT"
 
-try:  # the C base of every file object, Python-level ones (gzip, bz2) included
-    from _io import _IOBase as _FILE_BASE
-except ImportError:  # another implementation: the ABC (slower, the same answer)
-    _FILE_BASE = io.IOBase
+# The C base of every file object, Python-level ones (gzip, bz2) included; elsewhere than
+# CPython, the ABC (slower, the same answer).
+_FILE_BASE: type = getattr(sys.modules.get("_io"), "_IOBase", io.IOBase)
 
 _registered = False
 _armed_pid: int | None = None
