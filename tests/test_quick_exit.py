@@ -2,13 +2,13 @@
 interpreter's final collections and the native destructors, and loses nothing by it.
 
 A script, in its own process group, is stopped by a SIGTERM to the whole group (as a scheduler
-sends it) and relaunched to completion; the run is compared bit for bit with an uninterrupted
-one. What the script left to the interpreter's exit must still happen: an ``atexit`` handler
-registered *before* ``import unbroken`` (it runs after unbroken's) and one registered after
-``Run()``, an unclosed file held only by a reference cycle (flushed by the final collections
-otherwise), and a file a C library opened with ``fopen`` and never closed (C's stdio buffer,
-which ``exit()`` flushes after its handlers, and ``_exit`` not at all). The early handler reads
-``gc.get_freeze_count()``: non-zero only when the quick exit ran before it.
+sends it; twice, 0.2 s apart) and relaunched to completion; the run is compared bit for bit
+with an uninterrupted one. What the script left to the interpreter's exit must still happen: an
+``atexit`` handler registered *before* ``import unbroken`` (it runs after unbroken's) and one
+registered after ``Run()``, an unclosed file held only by a reference cycle (flushed by the
+final collections otherwise), and a file a C library opened with ``fopen`` and never closed
+(C's stdio buffer, which ``exit()`` flushes after its handlers, and ``_exit`` not at all). The
+early handler reads ``gc.get_freeze_count()``: non-zero only when the quick exit ran before it.
 """
 
 from __future__ import annotations
@@ -103,6 +103,11 @@ def _launch(
                 assert time.monotonic() < deadline, "no progress"
                 time.sleep(0.01)
             os.killpg(proc.pid, signal.SIGTERM)  # every process of the job, as schedulers do
+            time.sleep(0.2)
+            try:  # and again, as an impatient scheduler or user does (the same stop)
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass  # already gone
         _, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
