@@ -36,7 +36,8 @@ from tests.golden import (
 from unbroken import _shm, read_metrics
 from unbroken._protocol import ProcessContext
 from unbroken._tree import alive
-from unbroken.cli._standby import UNSNAPPED, Standby, idle_undoable, off_reason
+from unbroken.cli import _warm
+from unbroken.cli._standby import UNSNAPPED, Standby, depth, idle_undoable, off_reason
 
 SCRIPT = ROOT / "tests" / "scripts" / "toy_train.py"
 STEPS = 30
@@ -104,23 +105,32 @@ def _release(held: list[int]) -> None:
             pass
 
 
-def _supervise(run: Path, report: Path, options: list[str]) -> subprocess.Popen[bytes]:
+def _supervise(
+    run: Path, report: Path, options: list[str], extra: tuple[str, ...] = ()
+) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "unbroken", "run", "--json", str(report), "--max-retries", "10"]
-    cmd += ["--backoff", "0", *options, "--", sys.executable, str(SCRIPT), *ARGS]
+    cmd += ["--backoff", "0", *options, "--", sys.executable, str(SCRIPT), *ARGS, *extra]
     cmd += ["--run-dir", str(run), "--step-sleep", "0.05", "--snapshot-every", "1"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
+DEPTHS = {"standby": [], "imports": ["--standby", "imports"], "no-standby": ["--no-standby"]}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("standby", [True, False], ids=["standby", "no-standby"])
-def test_sigkill_at_drawn_moments_with_and_without_standby(tmp_path: Path, standby: bool) -> None:
+@pytest.mark.parametrize("depth", list(DEPTHS))
+def test_sigkill_at_drawn_moments_with_and_without_standby(tmp_path: Path, depth: str) -> None:
+    """``imports`` (``--standby imports``): the standby waits before the script, so what the
+    script does before ``Run()`` happens once per attempt (``--mark``), never in a standby
+    that was not promoted."""
+    standby = depth != "no-standby"
     ref = tmp_path / "ref"
     assert launch(SCRIPT, [*ARGS, "--run-dir", str(ref)]) == 0
     rng = random.Random(int(os.environ.get("UNBROKEN_TEST_SEED", "33")))
     moments = sorted(rng.sample(range(3, STEPS - 2), 5))
-    run, report = tmp_path / "run", tmp_path / "report.json"
-    sup = _supervise(run, report, [] if standby else ["--no-standby"])
+    run, report, marks = tmp_path / "run", tmp_path / "report.json", tmp_path / "marks"
+    sup = _supervise(run, report, DEPTHS[depth], ("--mark", str(marks)))
     reached: list[int] = []
     spares: list[int] = []
     held: list[int] = []
@@ -146,6 +156,10 @@ def test_sigkill_at_drawn_moments_with_and_without_standby(tmp_path: Path, stand
                 assert attempt_of(spare) == attempt_of(child) + 1  # type: ignore[operator]
                 if idle:
                     assert _policies(spare) == {os.SCHED_IDLE}, "set up on idle time only"
+                if depth == "imports":  # waiting, it has not run the script
+                    _lift(spare)
+                    _until(lambda c=child: _standby(sup, c, waiting=True), "it waits", sup)
+                    assert str(spare) not in marks.read_text().split(), "ran before its turn"
                 spares.append(spare)
                 if reached:  # the previous standby, promoted, is the trainer now
                     assert child == spares[-2]
@@ -170,12 +184,19 @@ def test_sigkill_at_drawn_moments_with_and_without_standby(tmp_path: Path, stand
     assert_identical(ref, run)
     attempts = json.loads(report.read_text())["attempts"]
     promoted = [int(m) for a in attempts for m in re.findall(PROMOTED, a["note"])]
+    started = [int(line) for line in marks.read_text().split()]  # pids that ran the script
     if standby:
         assert promoted == spares, attempts  # every recovery was a standby's
         assert text.count("--no-standby turns it off") == 1, text[-3000:]
         assert not alive(spares[-1]), "the last standby is killed when supervision ends"
     else:
         assert not promoted and "--no-standby turns it off" not in text
+    assert started[0] == held[0] and set(spares) <= set(started)
+    if depth == "imports":
+        assert "python with torch and unbroken imported" in text, text[-3000:]
+        assert started == [held[0], *spares], "the script ran once per attempt"
+    if depth == "no-standby":
+        assert len(started) == len(attempts) == len(moments) + 1
 
 
 @pytest.mark.slow
@@ -247,7 +268,7 @@ def test_standby_marker_and_when_it_is_off() -> None:
     assert ProcessContext.read({"UNBROKEN_STANDBY": "7"}).standby_fd == 7
     for value in ("0", "2", "", "x", "-5"):
         assert ProcessContext.read({"UNBROKEN_STANDBY": value}).standby_fd is None
-    args = type("A", (), {"no_standby": False})()
+    args = type("A", (), {"no_standby": False, "standby": None})()
     plain = ["python", "train.py"]
     assert off_reason(args, plain, {}, True) is None
     assert off_reason(args, plain, {}, False) == "no snapshot area"
@@ -256,8 +277,70 @@ def test_standby_marker_and_when_it_is_off() -> None:
     assert off_reason(args, ["python", "-m", "torch.distributed.run", "t.py"], {}, True)
     assert off_reason(args, plain, {"SLURM_NTASKS": "8"}, True)
     assert off_reason(args, plain, {"WORLD_SIZE": "1"}, True) is None
+    assert off_reason(args, plain, {"UNBROKEN_STANDBY": "off"}, True) == "UNBROKEN_STANDBY=off"
+    assert off_reason(args, plain, {"UNBROKEN_STANDBY": "imports"}, True) is None
+    shell = ["bash", "train.sh"]
+    assert off_reason(args, shell, {}, True) is None  # the default depth runs any command
+    assert "--standby imports" in str(
+        off_reason(args, shell, {"UNBROKEN_STANDBY": "imports"}, True)
+    )
+    args.standby = "off"
+    assert off_reason(args, plain, {}, True) == "--standby off"
+    args.standby = "imports"
+    assert depth(args, {"UNBROKEN_STANDBY": "0"}) == "imports"  # the option wins
     args.no_standby = True
     assert off_reason(args, plain, {}, True) == "--no-standby"
+    assert depth(args, {}) == "off"
+
+
+def test_which_commands_the_shallow_standby_can_wait_for() -> None:
+    """`--standby imports` rewrites `python [OPTIONS] SCRIPT|-m MODULE ARGS`, keeping every
+    option and argument in place; anything else (no script file, a shell, an option it does not
+    know) gets None, and the supervisor says why there is no standby."""
+    boot = ["-c", _warm.BOOT]
+    assert _warm.command(["python", "t.py", "-x", "--steps", "3"]) == [
+        "python",
+        *boot,
+        "--",
+        "t.py",
+        "-x",
+        "--steps",
+        "3",
+    ]
+    assert _warm.command(["/usr/bin/python3.11", "-u", "-W", "ignore", "-Xdev", "t.py"]) == [
+        "/usr/bin/python3.11",
+        "-u",
+        "-W",
+        "ignore",
+        "-Xdev",
+        *boot,
+        "--",
+        "t.py",
+    ]
+    assert _warm.command(["python3", "-Bu", "-m", "pkg.train", "-m", "x"]) == [
+        "python3",
+        "-Bu",
+        *boot,
+        "-m",
+        "pkg.train",
+        "-m",
+        "x",
+    ]
+    for cmd in (
+        [],
+        ["python"],
+        ["python", "-c", "print(1)"],
+        ["python", "-"],
+        ["python", "-i", "t.py"],
+        ["python", "-V"],
+        ["python", "-m"],
+        ["python", "-W"],
+        ["python", "--check-hash-based-pycs", "always", "t.py"],
+        ["bash", "train.sh"],
+        ["torchrun", "t.py"],
+        ["pythonista", "t.py"],
+    ):
+        assert _warm.command(cmd) is None, cmd
 
 
 _WAITER = """

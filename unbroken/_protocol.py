@@ -26,7 +26,8 @@ variable                    set by                              read by
                             standby only (the read end of a     byte comes ("go": promoted) or
                             pipe it inherits)                   EOF (the supervisor is gone)
 ``UNBROKEN_STANDBY=0``      the user, for ``unbroken run``      the supervisor: no standby (as
-                                                                ``--no-standby``)
+                                                                ``--no-standby``); ``imports``:
+                                                                ``--standby imports``
 ==========================  ==================================  ==================================
 
 Marker files: a rank that saved and stopped (or was stopped while not training) writes

@@ -87,7 +87,11 @@ def main() -> None:
     p.add_argument("--signal", choices=["TERM", "KILL", "INT", "USR1"], default="KILL")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (kill tests)")
     p.add_argument("--snapshot-every", type=int, default=None)
+    p.add_argument("--mark", default=None, help="append this process's pid to FILE before Run()")
     a = p.parse_args()
+    if a.mark:  # a side effect before Run(), as a download or a print would be
+        with open(a.mark, "a") as f:
+            f.write(f"{os.getpid()}\n")
 
     unbroken.seed_everything(0)
     model = torch.nn.Sequential(

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from .. import _protocol, _shm, _tree
-from . import _job
+from . import _job, _warm
 
 LAUNCHERS = frozenset(
     {"torchrun", "accelerate", "deepspeed", "mpirun", "mpiexec", "srun", "horovodrun"}
@@ -40,18 +40,41 @@ UNSNAPPED = 10.0
 NOTE = (
     "a warm standby (a second process of CMD, waiting inside Run() to take over when this one "
     "dies) is starting: what the script does before Run() -- its output, downloads -- happens "
-    "in it too; --no-standby turns it off"
+    "in it too; --standby imports waits before the script instead, --no-standby turns it off"
 )
+NOTE_IMPORTS = (
+    "a warm standby (python with torch and unbroken imported, waiting to run CMD's script when "
+    "this one dies) is starting; --no-standby turns it off"
+)
+
+
+RUN, IMPORTS = "run", "imports"
+"""How deep a standby gets before it waits: into the script's first ``Run()`` (the default), or
+only through ``import torch, unbroken``, before the script (:mod:`._warm`)."""
+DEPTHS = (RUN, IMPORTS, "off")
+
+
+def depth(args: argparse.Namespace, env: Mapping[str, str]) -> str:
+    """``--standby`` (``--no-standby``: off), else ``UNBROKEN_STANDBY`` (0: off), else run."""
+    if getattr(args, "no_standby", False):
+        return "off"
+    chosen = getattr(args, "standby", None)
+    if chosen:
+        return str(chosen)
+    value = env.get(_protocol.STANDBY, "")
+    return {"0": "off", "off": "off", IMPORTS: IMPORTS}.get(value, RUN)
 
 
 def off_reason(
     args: argparse.Namespace, cmd: list[str], env: Mapping[str, str], snapshots: bool
 ) -> str | None:
     """Why a job gets no standby, from the options, command and environment (None: it does)."""
-    if args.no_standby:
+    if getattr(args, "no_standby", False):
         return "--no-standby"
-    if env.get(_protocol.STANDBY) == "0":
-        return f"{_protocol.STANDBY}=0"
+    if depth(args, env) == "off":
+        if getattr(args, "standby", None):
+            return "--standby off"
+        return f"{_protocol.STANDBY}={env.get(_protocol.STANDBY, '')}"
     if not snapshots:
         return "no snapshot area"  # the standby would resume from an older durable checkpoint
     words = [os.path.basename(w) for w in cmd[:3]]
@@ -61,6 +84,8 @@ def off_reason(
         value = env.get(name, "")
         if value.isdigit() and int(value) > 1:
             return f"{name}={value}: one rank of several"
+    if depth(args, env) == IMPORTS and _warm.command(cmd) is None:
+        return "--standby imports needs CMD to be `python SCRIPT ...` or `python -m MODULE ...`"
     return None
 
 
@@ -114,6 +139,9 @@ class Standby:
         self.cmd, self.stops, self.area = cmd, stops, area
         self.say = (lambda _: None) if args.quiet else say
         self.off = off_reason(args, cmd, os.environ, area is not None)
+        self.depth = depth(args, os.environ)
+        # What the standby runs: CMD itself, or CMD rewritten to wait before its script.
+        self.argv = (_warm.command(cmd) if self.depth == IMPORTS else None) or cmd
         self.spare: _job.Launch | None = None
         self.pipe: int | None = None  # the write end; closed = EOF = "the supervisor is gone"
         self.attempt = 0  # the attempt the spare is for
@@ -180,7 +208,7 @@ class Standby:
         r, w = os.pipe()  # not inheritable (PEP 446): only the spare gets r, nobody gets w
         env[_protocol.STANDBY] = str(r)
         try:
-            spare = _job.Launch(self.cmd, env, self.stops, n, pass_fds=(r,), idle=self.idle)
+            spare = _job.Launch(self.argv, env, self.stops, n, pass_fds=(r,), idle=self.idle)
         except OSError as e:
             os.close(w)
             self.off = f"could not start one: {e}"
@@ -190,7 +218,7 @@ class Standby:
         self.spare, self.pipe, self.attempt = spare, w, n
         if not self.told:
             self.told = True
-            self.say(NOTE)
+            self.say(NOTE_IMPORTS if self.depth == IMPORTS else NOTE)
 
     def take(self, n: int) -> tuple[_job.Launch | None, str]:
         """Promote the spare to attempt ``n`` (after the snapshot was persisted): the launch,

@@ -48,7 +48,9 @@ seconds, before anything is relaunched.
 
 Warm standby (with snapshots; not for launchers or one rank of several): once CMD opened its
 Run, a second CMD starts and waits inside its first Run(); it takes over when CMD dies, its
-imports and set-up done. Its pre-Run() output and side effects happen twice. --no-standby: off.
+imports and set-up done. Its pre-Run() output and side effects happen twice. --standby
+imports: it waits before the script instead, with torch and unbroken imported. --no-standby:
+off.
 
 SLURM (SLURM_JOB_ID set, --no-requeue not given): the job requeued is
 ${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}} for array jobs, else SLURM_JOB_ID; if
@@ -404,11 +406,15 @@ def register(subparsers: Any) -> None:
         help="no in-memory snapshots (a crash then loses the steps since the last save)",
     )
     p.add_argument(
-        "--no-standby",
-        action="store_true",
-        help="no warm standby (a second process of CMD that waits inside Run() and takes over "
-        "when the trainer dies, with no process start on the way; see docs/supervise.md)",
+        "--standby",
+        choices=_standby.DEPTHS,
+        help="the warm standby, a second process of CMD that takes over when the trainer dies "
+        "with no process start on the way: 'run' (the default) waits inside the script's first "
+        "Run(), its set-up done; 'imports' waits before the script with torch and unbroken "
+        "imported (the script's pre-Run() side effects happen once; CMD must be python SCRIPT "
+        "or python -m MODULE); 'off'. See docs/supervise.md",
     )
+    p.add_argument("--no-standby", action="store_true", help="the same as --standby off")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
     p.add_argument(
