@@ -30,6 +30,7 @@ STEPS = 30
 _SCRIPT = r"""
 import atexit, ctypes, gc, os, sys, time
 OUT, RUN_DIR = sys.argv[1], sys.argv[2]
+CRASH_AT = int(sys.argv[4]) if len(sys.argv) > 4 else None
 
 def early():  # registered before `import unbroken`: runs after unbroken's exit handler
     with open(os.path.join(OUT, "early.txt"), "w") as f:
@@ -74,6 +75,8 @@ for xb, yb in run.loop(loader):
     step = run.counters.step + 1
     journal.f.write(f"step {step}\n")
     libc.fputs(f"step {step}\n".encode(), c_journal)
+    if step == CRASH_AT:
+        raise RuntimeError(f"crash at step {step}")
     time.sleep(0.03)
     run.step(loss=loss)
 """
@@ -147,3 +150,31 @@ def test_a_run_that_completes_exits_as_usual(tmp_path):
     out = tmp_path / "out"
     assert _launch(tmp_path, tmp_path / "run", out, stop_after=None) == 0
     assert (out / "early.txt").read_text() == "0"
+
+
+@pytest.mark.parametrize("supervised", [True, False], ids=["under-unbroken-run", "alone"])
+def test_a_crash_under_the_supervisor_exits_quickly_and_keeps_what_the_exit_owes(
+    tmp_path, supervised
+):
+    """An uncaught exception under ``unbroken run`` ends the process with the quick exit too (its
+    relaunch, or torchrun's agent, waits for it), after the traceback, keeping what the exit owes;
+    alone, a crash exits as Python does."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "quick.py"
+    script.write_text(_SCRIPT)
+    cmd = [sys.executable, str(script), str(out), str(tmp_path / "run"), str(STEPS), "6"]
+    if supervised:
+        cmd = [sys.executable, "-m", "unbroken", "run", "--max-retries", "0", "--", *cmd]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "RuntimeError: crash at step 6" in proc.stderr, proc.stderr[-3000:]
+    frozen = int((out / "early.txt").read_text())
+    assert (frozen > 0) == supervised, f"gc.get_freeze_count() at the early handler: {frozen}"
+    assert (out / "late.txt").read_text() == "ran"
+    steps = [f"step {s}" for s in range(1, 7)]
+    assert (out / "journal.txt").read_text().splitlines() == steps, (
+        "the unclosed file lost its tail"
+    )
+    assert (out / "c-journal.txt").read_text().splitlines() == steps, "C's stdio buffer lost"

@@ -36,6 +36,7 @@ if _ProcessContext.read().supervised:
     # Launched by `unbroken run`: a stop signal from here on (imports, data building, resume)
     # is a resumable exit 75, not a death by signal (docs/resume.md, "Signals").
     install_signal_handlers()
+    _quick_exit.arm_on_uncaught()  # a crash's exit is on the path of the relaunch too
 
 if TYPE_CHECKING:
     from ._determinism import determinism_problems, make_deterministic

@@ -26,6 +26,12 @@ exit, an armed process then
 Every other ``atexit`` handler still runs, those registered before ``import unbroken``
 included (they run after this one); so do ``finally`` clauses and ``with`` blocks of the
 script, which unwind before any of this. ``UNBROKEN_QUICK_EXIT=0`` turns it off.
+
+Under ``unbroken run`` a process that ends by an uncaught exception is armed too
+(:func:`arm_on_uncaught`, from ``import unbroken``): the supervisor's relaunch waits for it, and
+in a torchrun job the agent waits for every surviving rank before it ends the job -- a rank that
+crashed because its peer was killed spent 0.8 s in the interpreter's teardown after its
+traceback, on the path of every recovery. The traceback is printed first (the hook it wraps).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import gc
 import io
 import os
 import sys
+from typing import Any
 
 ENV = "UNBROKEN_QUICK_EXIT"
 
@@ -59,6 +66,23 @@ def arm() -> None:
     """This process ends after a stop: make its exit quick (unless turned off)."""
     global _armed_pid
     _armed_pid = os.getpid()
+
+
+def arm_on_uncaught() -> None:
+    """Arm the quick exit when an uncaught exception ends the main thread (a wrapper around the
+    ``sys.excepthook`` in place, which still prints the traceback; idempotent)."""
+    if getattr(sys.excepthook, "_unbroken", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        try:
+            previous(kind, value, tb)
+        finally:
+            arm()  # nothing of the script runs after this hook: only the exit
+
+    hook._unbroken = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def armed() -> bool:
