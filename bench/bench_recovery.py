@@ -31,6 +31,14 @@ default standby, the script up to Run(); ``--standby imports`` waits before the 
 
 ``--src LABEL=DIR`` runs the same bench against another checkout (``PYTHONPATH=DIR``), e.g.
 ``--src main=/work/main --src branch=.``, to compare side by side.
+
+``--torchrun N``: the command is ``python -m torch.distributed.run --standalone
+--nproc_per_node N examples/char_lm.py ...`` (DDP on gloo); the kill is rank 1's, "the child"
+is the supervisor's torchrun (promoted: its workers no longer wait), memory and CPU are
+summed over the standby torchrun's agent and workers, and the trainer's RSS over its job's.
+
+    .venv/bin/python bench/bench_recovery.py --torchrun 2 --kills 3 --rounds 2 --seed 5 \
+        --opts standby= --opts no-standby=--no-standby
 """
 
 from __future__ import annotations
@@ -97,15 +105,56 @@ def _launches(pid: int) -> list[int]:
     return sorted(out, key=lambda c: (_attempt(c), c))
 
 
+RANKS = 0  # --torchrun N: the command is a torchrun of N workers
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += _children(p)
+    return out
+
+
+def _workers(agent: int) -> list[int]:
+    """A torchrun agent's workers (started with ``TORCHELASTIC_RUN_ID``), by pid."""
+    out = []
+    for p in _tree(agent)[1:]:
+        try:
+            with open(f"/proc/{p}/environ", "rb") as f:
+                if b"\0TORCHELASTIC_RUN_ID=" in b"\0" + f.read():
+                    out.append(p)
+        except OSError:
+            pass
+    return sorted(out)
+
+
+def _waits(pid: int) -> bool:
+    """A launch that waits: a standby process, or a standby torchrun whose workers all wait."""
+    if not RANKS:
+        return _comm(pid) == WAITING
+    ws = _workers(pid)
+    return len(ws) == RANKS and all(_comm(w) == WAITING for w in ws)
+
+
 def _trainers(pid: int) -> list[int]:
     """The supervisor's trainer (a list of one), not its persister nor its standby."""
-    kids = [c for c in _launches(pid) if _comm(c) != WAITING]
+    kids = [c for c in _launches(pid) if not _waits(c)]
     return kids[:1]
 
 
 def _standby(pid: int) -> int | None:
-    kids = [c for c in _launches(pid) if _comm(c) == WAITING]
+    kids = [c for c in _launches(pid) if _waits(c)]
     return kids[0] if kids else None
+
+
+def _victim(trainer: int) -> int:
+    """What is killed: the trainer, or rank 1 of its job."""
+    if not RANKS:
+        return trainer
+    return _wait(lambda: (lambda ws: ws[1] if len(ws) == RANKS else None)(_workers(trainer)))
 
 
 def _lift_standby(pid: int) -> None:
@@ -114,22 +163,32 @@ def _lift_standby(pid: int) -> None:
     the CPU for minutes, and the bench measures a recovery *with* a standby ready. (What it
     costs while waiting is measured after it waits; its set-up CPU time is reported.)"""
     kids = _wait(lambda: [c for c in _launches(pid)[1:] if _attempt(c) < 1 << 30])
-    for tid in os.listdir(f"/proc/{kids[0]}/task"):
-        try:
-            os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
-        except OSError:
-            pass
+    if RANKS:  # the standby torchrun's workers, once started
+        _wait(lambda: len(_workers(kids[0])) == RANKS)
+    for proc in _tree(kids[0]):
+        for tid in os.listdir(f"/proc/{proc}/task"):
+            try:
+                os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+            except OSError:
+                pass
 
 
 def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        fields = f.read().rsplit(b")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds of ``pid`` and its descendants (a torchrun job's agent and workers)."""
+    total = 0
+    for p in _tree(pid):
+        with open(f"/proc/{p}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        kb = next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
+    """Resident memory of ``pid`` and its descendants."""
+    kb = 0
+    for p in _tree(pid):
+        with open(f"/proc/{p}/status") as f:
+            kb += next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
     return kb / 1024
 
 
@@ -183,8 +242,11 @@ def one_supervisor(
     tmp = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     run = tmp / "run"
     env = {**os.environ, "PYTHONPATH": src, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "unbroken", "run", "-q", *opts, "--"]
-    cmd += [sys.executable, str(SCRIPT), "--run-dir", str(run)]
+    cmd = [sys.executable, "-m", "unbroken", "run", "-q", *opts, "--", sys.executable]
+    if RANKS:
+        env["OMP_NUM_THREADS"] = "1"
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}"]
+    cmd += [str(SCRIPT), "--run-dir", str(run)]
     cmd += ["--steps", "100000", "--save-every", "1000"]
     log = open(tmp / "supervisor.log", "wb")
     # cwd: `-m unbroken` must import the tree under test, not the current directory's.
@@ -202,8 +264,9 @@ def one_supervisor(
             elif standby:
                 _wait(lambda: _standby(sup.pid))
             time.sleep(rng.uniform(0.3, 1.2))
+            victim = _victim(child)
             t_kill = time.time()
-            os.kill(child, signal.SIGKILL)
+            os.kill(victim, signal.SIGKILL)
             new = _wait(lambda: [c for c in _trainers(sup.pid) if c != child])  # noqa: B023
             t_child = time.time()
 
@@ -255,7 +318,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="append the figures to this JSON-lines file")
     p.add_argument("--quick", action="store_true", help="2 kills, 1 supervisor per variant")
+    p.add_argument("--torchrun", type=int, default=0, metavar="N", help="N ranks under torchrun")
     a = p.parse_args()
+    global RANKS
+    RANKS = a.torchrun
     if a.quick:
         a.kills, a.rounds = 2, 1
     srcs = [s.split("=", 1) for s in a.src] or [["branch", str(ROOT)]]
@@ -270,7 +336,8 @@ def main() -> None:
             got[label] += one_supervisor(src, opts, a.kills, rng, waits[label])
             print(f"round {r + 1}/{a.rounds} {label}: done", file=sys.stderr, flush=True)
     load = os.getloadavg()[0]
-    print(f"\nchar_lm, {a.kills} kills x {a.rounds} supervisors per variant; load {load:.1f}")
+    what = f"char_lm under torchrun x{RANKS}" if RANKS else "char_lm"
+    print(f"\n{what}, {a.kills} kills x {a.rounds} supervisors per variant; load {load:.1f}")
     summary: dict[str, object] = {"bench": "recovery", "load": round(load, 2)}
     print("| variant | " + " | ".join(PHASES) + " | first kill -> step / -> child | later |")
     print("| --- |" + " ---: |" * (len(PHASES) + 2))

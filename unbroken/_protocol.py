@@ -25,6 +25,9 @@ variable                    set by                              read by
 ``UNBROKEN_STANDBY=<fd>``   ``unbroken run``, for its warm      the first ``Run()``: wait until a
                             standby only (the read end of a     byte comes ("go": promoted) or
                             pipe it inherits)                   EOF (the supervisor is gone)
+``UNBROKEN_STANDBY=<path>`` ``unbroken run``, for a standby     the same wait, on a FIFO each
+                            torchrun (its workers inherit no    worker opens (one byte each)
+                            fd)
 ``UNBROKEN_STANDBY=0``      the user, for ``unbroken run``      the supervisor: no standby (as
                                                                 ``--no-standby``); ``imports``:
                                                                 ``--standby imports``
@@ -81,6 +84,8 @@ class ProcessContext:
     under_torchrun: bool = False
     standby_fd: int | None = None
     """A warm standby's pipe (docs/supervise.md): the first ``Run()`` waits on it."""
+    standby_fifo: str | None = None
+    """A standby torchrun's FIFO (an absolute path): each worker waits on it, as on the pipe."""
 
     @classmethod
     def read(cls, env: Mapping[str, str] | None = None) -> ProcessContext:
@@ -97,6 +102,7 @@ class ProcessContext:
             under_torchrun=TORCHRUN_CHILD in e,
             # fds 0-2 are never the pipe: UNBROKEN_STANDBY=0 is the user's opt-out, not a fd
             standby_fd=int(standby) if standby.isdigit() and int(standby) > 2 else None,
+            standby_fifo=standby if os.path.isabs(standby) else None,
         )
 
 

@@ -12,8 +12,15 @@ process as attempt *n + 1*; nothing in its environment changes. The next standby
 that one has trained (a snapshot committed since its ``Run`` opened): a process start during
 the first step after the restore would slow it.
 
+``torchrun --standalone`` gets a standby torchrun whose workers wait before the script
+(:func:`._warm.torchrun_command`; the imports depth whatever ``--standby`` says, short of off):
+with a private rendezvous it starts beside the live job without meeting it, and a worker that
+waited before the script built no process group and touched no GPU. Their signal to go is a
+FIFO in the stop area, held open by the supervisor from before the standby starts until the
+launch it became has ended; at the promotion it gets :data:`GO` bytes, one per worker.
+
 Off (the supervisor launches afresh, as without a standby) with ``--no-standby`` or
-``UNBROKEN_STANDBY=0``, without a snapshot area, and for launchers and multi-rank jobs (a
+``UNBROKEN_STANDBY=0``, without a snapshot area, and for other launchers and multi-rank jobs (a
 standby rank would join the job's rendezvous while it sets up; docs/design.md). A standby that
 died on its own is noticed at the promotion and replaced by a fresh launch; at the end of
 supervision it is killed with its whole tree (it never touched the run directory).
@@ -42,6 +49,13 @@ NOTE = (
     "dies) is starting: what the script does before Run() -- its output, downloads -- happens "
     "in it too; --standby imports waits before the script instead, --no-standby turns it off"
 )
+NOTE_TORCHRUN = (
+    "a warm standby (a second torchrun of CMD, its workers waiting with torch and unbroken "
+    "imported to run the script when this job dies) is starting; --no-standby turns it off"
+)
+GO = 4096
+"""Bytes written to a standby torchrun's FIFO at its promotion: one per worker that reads it
+(more than a node has workers; within ``PIPE_BUF``, so written at once)."""
 NOTE_IMPORTS = (
     "a warm standby (python with torch and unbroken imported, waiting to run CMD's script when "
     "this one dies) is starting; --no-standby turns it off"
@@ -77,8 +91,14 @@ def off_reason(
         return f"{_protocol.STANDBY}={env.get(_protocol.STANDBY, '')}"
     if not snapshots:
         return "no snapshot area"  # the standby would resume from an older durable checkpoint
+    if _warm.torchrun_command(cmd, env) is not None:
+        if getattr(args, "standby", None) == RUN or env.get(_protocol.STANDBY) == RUN:
+            return "--standby run cannot wait inside torchrun's ranks: use --standby imports"
+        return None  # a standby torchrun, its workers at the imports depth
     words = [os.path.basename(w) for w in cmd[:3]]
     if LAUNCHERS & set(words) or {"torch.distributed.run", "torch.distributed.launch"} & set(cmd):
+        if {"torchrun", "torch.distributed.run"} & {*words, *cmd}:
+            return "CMD is torchrun without --standalone, or with options this cannot rewrite"
         return "CMD is a launcher"
     for name in RANK_COUNTS:
         value = env.get(name, "")
@@ -141,9 +161,17 @@ class Standby:
         self.off = off_reason(args, cmd, os.environ, area is not None)
         self.depth = depth(args, os.environ)
         # What the standby runs: CMD itself, or CMD rewritten to wait before its script.
-        self.argv = (_warm.command(cmd) if self.depth == IMPORTS else None) or cmd
+        self.torchrun = _warm.torchrun_command(cmd, os.environ)
+        if self.torchrun is not None:
+            self.depth = IMPORTS
+        shallow = self.torchrun or (_warm.command(cmd) if self.depth == IMPORTS else None)
+        self.argv = shallow or cmd
         self.spare: _job.Launch | None = None
         self.pipe: int | None = None  # the write end; closed = EOF = "the supervisor is gone"
+        self.fifo: str | None = None  # a standby torchrun's FIFO (its path) instead of a pipe
+        # The promoted standby torchrun's FIFO, held open until its launch has ended: a worker
+        # still importing at the promotion opens it later, and must find a writer and a byte.
+        self.held: tuple[int, str] | None = None
         self.attempt = 0  # the attempt the spare is for
         self.idle: bool | None = None  # SCHED_IDLE while it sets up (probed once)
         self.told = False
@@ -173,7 +201,7 @@ class Standby:
             except subprocess.TimeoutExpired:
                 pass
             if not stopping() and self._run_opened(mark):
-                if _several_ranks(launch):
+                if self.torchrun is None and _several_ranks(launch):
                     self.off = "the job runs several ranks"
                 else:
                     self._start(n + 1)
@@ -205,26 +233,41 @@ class Standby:
         if self.idle is None:
             self.idle = idle_undoable()
         env = _protocol.supervised_env(os.environ, attempt=n, snapshot_dir=self.area.path)
-        r, w = os.pipe()  # not inheritable (PEP 446): only the spare gets r, nobody gets w
-        env[_protocol.STANDBY] = str(r)
+        fds: tuple[int, ...] = ()
         try:
-            spare = _job.Launch(self.argv, env, self.stops, n, pass_fds=(r,), idle=self.idle)
+            if self.torchrun is not None:
+                fifo = os.path.join(self.stops, f"standby-{n}-{os.urandom(4).hex()}.fifo")
+                os.mkfifo(fifo, 0o600)  # in the supervisor's own 0700 directory
+                r, w = -1, os.open(fifo, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+                env[_protocol.STANDBY] = fifo
+            else:
+                fifo = None
+                r, w = os.pipe()  # not inheritable (PEP 446): only the spare gets r
+                fds, env[_protocol.STANDBY] = (r,), str(r)
         except OSError as e:
-            os.close(w)
+            self.off = f"could not start one: {e}"
+            return
+        try:
+            spare = _job.Launch(self.argv, env, self.stops, n, pass_fds=fds, idle=self.idle)
+        except OSError as e:
+            _close(w, fifo)
             self.off = f"could not start one: {e}"
             return
         finally:
-            os.close(r)
-        self.spare, self.pipe, self.attempt = spare, w, n
+            if r >= 0:
+                os.close(r)
+        self.spare, self.pipe, self.fifo, self.attempt = spare, w, fifo, n
         if not self.told:
             self.told = True
-            self.say(NOTE_IMPORTS if self.depth == IMPORTS else NOTE)
+            note = NOTE_TORCHRUN if self.torchrun else NOTE_IMPORTS
+            self.say(note if self.depth == IMPORTS else NOTE)
 
     def take(self, n: int) -> tuple[_job.Launch | None, str]:
         """Promote the spare to attempt ``n`` (after the snapshot was persisted): the launch,
         or None when there is none to promote (launch afresh); and a note for the report."""
-        spare, pipe = self.spare, self.pipe
-        self.spare = self.pipe = None
+        self._release()  # the launch it was held for has ended
+        spare, pipe, fifo = self.spare, self.pipe, self.fifo
+        self.spare = self.pipe = self.fifo = None
         if spare is None or pipe is None:
             return None, ""
         code = spare.proc.poll()
@@ -232,23 +275,32 @@ class Standby:
             if self.idle:
                 _normal_priority(spare.tree.members())  # it may still be setting up
             try:
-                os.write(pipe, b"g")
+                os.write(pipe, b"g" * (GO if fifo else 1))
             except OSError:
                 code = spare.proc.poll()
             else:
-                os.close(pipe)
+                if fifo is None:
+                    os.close(pipe)
+                else:
+                    self.held = (pipe, fifo)
                 return spare, f"from the warm standby (pid {spare.pid})"
-        _end(spare, pipe)
+        _end(spare, pipe, fifo)
         if code is None:
             return None, ""
         return None, f"the warm standby had exited ({_code(code)}): launched afresh"
 
     def close(self) -> None:
         """Kill the spare, if any, with its whole tree (it never touched the run directory)."""
-        spare, pipe = self.spare, self.pipe
-        self.spare = self.pipe = None
+        self._release()
+        spare, pipe, fifo = self.spare, self.pipe, self.fifo
+        self.spare = self.pipe = self.fifo = None
         if spare is not None and pipe is not None:
-            _end(spare, pipe)
+            _end(spare, pipe, fifo)
+
+    def _release(self) -> None:
+        if self.held is not None:
+            _close(*self.held)
+            self.held = None
 
 
 def _normal_priority(pids: list[int]) -> None:
@@ -268,10 +320,21 @@ def _normal_priority(pids: list[int]) -> None:
                 pass  # a thread that ended meanwhile
 
 
-def _end(spare: _job.Launch, pipe: int) -> None:
+def _end(spare: _job.Launch, pipe: int, fifo: str | None) -> None:
     spare.kill()
     spare.proc.wait()
-    os.close(pipe)
+    _close(pipe, fifo)
+
+
+def _close(fd: int, fifo: str | None) -> None:
+    """The write end closed (EOF for every reader: the supervisor is done with it) and the
+    FIFO, if any, removed (a worker that opens it after that exits, see train/_standby.py)."""
+    os.close(fd)
+    if fifo is not None:
+        try:
+            os.unlink(fifo)
+        except OSError:
+            pass
 
 
 def _code(code: int) -> str:

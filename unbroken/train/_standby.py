@@ -9,6 +9,13 @@ adopts the process as the next attempt: ``Run()`` goes on and resumes, with the 
 script's set-up already done. EOF on the pipe means the supervisor is gone (it never closes the
 pipe otherwise before killing the standby): exit 75 and touch nothing.
 
+A standby torchrun's workers inherit no fd (torchrun closes them), so theirs is a FIFO in the
+supervisor's private stop area, named by the variable: each worker opens it and reads one byte;
+the supervisor holds it open for writing from before the standby starts (a reader that opens it
+later still finds a writer, and the bytes it wrote at the promotion), so "no writer left" means
+what EOF on the pipe means. Both are read without blocking after each ``select`` timeout too: a
+FIFO whose last writer went before this reader opened it never becomes ready.
+
 While it waits the process is blocked in ``select`` (it wakes every :data:`POLL` seconds to
 honour a stop signal, which ``import unbroken`` records under the supervisor): a stop ends it
 with 75 and a stop marker, as any process stopped before training. The supervisor may start it
@@ -47,9 +54,15 @@ def wait_for_turn() -> None:
     if _asked:
         return
     _asked = True
-    fd = ProcessContext.read().standby_fd
+    ctx = ProcessContext.read()
     os.environ.pop(STANDBY, None)  # not for the script's children, nor a later Run()
-    if fd is None or not ProcessContext.read().supervised or not _is_pipe(fd):
+    if not ctx.supervised:
+        return
+    if ctx.standby_fifo is not None:
+        fd = _open_fifo(ctx.standby_fifo)
+    elif ctx.standby_fd is not None and _is_pipe(ctx.standby_fd):
+        fd = ctx.standby_fd
+    else:
         return
     name = _set_name(WAITING)
     try:
@@ -71,18 +84,37 @@ def _is_pipe(fd: int) -> bool:
         return False
 
 
+def _open_fifo(path: str) -> int:
+    """The standby torchrun's FIFO, opened for reading. Gone (the supervisor removes it when
+    it ends the standby) or not a FIFO: exit 75 and touch nothing -- a standby that went on
+    unpromoted would start training beside the trainer."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as e:
+        log.info("unbroken: the standby's FIFO %s cannot be opened (%s): it exits", path, e)
+        raise SystemExit(EXIT_RESUMABLE) from None
+    if not _is_pipe(fd):
+        os.close(fd)
+        log.warning("unbroken: the standby's FIFO %s is not a FIFO: it exits", path)
+        raise SystemExit(EXIT_RESUMABLE)
+    return fd
+
+
 def _wait(fd: int) -> bool:
     """True when the supervisor wrote "go", False on EOF. A stop signal recorded meanwhile
     ends the process with 75 and a stop marker (nothing was training, nothing is lost)."""
+    os.set_blocking(fd, False)  # this process's own read end: a look never blocks
     while True:
         _signals.honour_pending()
         ready, _, _ = select.select([fd], [], [], POLL)
         if ready:
             _signals.honour_pending()  # a stop with the supervisor's end: a stop, said so
-            try:
-                return bool(os.read(fd, 1))
-            except OSError:
-                return False
+        try:
+            return bool(os.read(fd, 1))
+        except BlockingIOError:
+            continue  # a writer is there, nothing written yet
+        except OSError:
+            return False
 
 
 def _normal_priority() -> None:
