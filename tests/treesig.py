@@ -96,7 +96,9 @@ SCENARIOS = {
         ),
         Scenario(
             "accelerate",
-            (str(EXAMPLES / "accelerate_lm.py"), *_LM, "--dim", "16"),
+            # A few ms a step here: 8 steps were done 0.1 s after the first save, before the
+            # signal came (exit 0, no stop to test). Enough steps to still be training.
+            (str(EXAMPLES / "accelerate_lm.py"), *_LM, "--dim", "16", "--steps", "60"),
             last_line="done:",
             timeout=400,
         ),
