@@ -165,6 +165,20 @@ def test_exhausted_crash_retries_exit_with_the_child_code(tmp_path: Path) -> Non
     assert "gave up after 3 crashes in a row without progress (--max-retries 2); exit 7" in r.stderr
 
 
+def test_four_kills_without_progress_give_up_loudly_with_the_default_retries(
+    tmp_path: Path,
+) -> None:
+    """The default --max-retries 3: the first try and three retries, each SIGKILLed before it
+    made progress, then a clear message and exit 1 (death by a signal has no code of its own)."""
+    out = tmp_path / "r.json"
+    r = supervise(tmp_path, "--backoff", "0.01", "--json", str(out), codes="kill")
+    assert r.returncode == 1
+    rep = report(out)
+    assert [a["status"] for a in rep["attempts"]] == ["crash"] * 4
+    assert [a["signal"] for a in rep["attempts"]] == ["SIGKILL"] * 4
+    assert "gave up after 4 crashes in a row without progress (--max-retries 3)" in r.stderr
+
+
 def test_exhausted_after_signal_death_exits_1(tmp_path: Path) -> None:
     r = supervise(tmp_path, "--max-retries", "0", codes="kill")
     assert r.returncode == 1
