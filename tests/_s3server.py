@@ -123,6 +123,7 @@ class FaultProxy(ThreadingHTTPServer):
             self.cut: tuple[re.Pattern[str], int] | None = None
             self.hold_match: re.Pattern[str] | None = None
             self.held = threading.Event()
+            self.held_line = ""  # the method and path of the request held
             self.release = threading.Event()
             self.release.set()
             self.drop_held = False
@@ -178,6 +179,7 @@ class _Handler(BaseHTTPRequestHandler):
             hold = srv.hold_match is not None and srv.hold_match.search(line)
             if hold:
                 srv.hold_match = None
+                srv.held_line = line
             delay, held, release = srv.delay, srv.held, srv.release
         if delay:
             time.sleep(delay)
