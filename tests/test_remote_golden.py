@@ -3,10 +3,9 @@
 ``examples/char_lm.py --remote s3://...`` is killed -9 twice -- once while a checkpoint's data
 is being uploaded (the proxy holds that request, so the kill lands mid-upload for certain),
 once at a step drawn from a seed -- and after each kill its run directory is deleted, as if the
-node were gone. Relaunched with an empty directory, it resumes from the
-newest complete remote checkpoint and ends bitwise equal to an uninterrupted run: every tensor,
-all JSON state and the whole per-step metrics log. An upload killed before its manifest never
-counts as a checkpoint.
+node were gone. Relaunched with an empty directory, it resumes from the newest complete remote
+checkpoint and ends bitwise equal to an uninterrupted run: every tensor, all JSON state and the
+whole per-step metrics log. An upload killed before its manifest never counts as a checkpoint.
 """
 
 from __future__ import annotations
