@@ -51,14 +51,18 @@ def children(pid: int) -> list[int]:
         return []
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def is_persister(pid: int) -> bool:
     """Whether ``pid`` is an ``unbroken run`` supervisor's persister process (cli/_persister.py),
     the supervisor's child beside the command it runs."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"unbroken.cli._persister" in f.read()
-    except OSError:
-        return False
+    return b"unbroken.cli._persister" in _cmdline(pid)
 
 
 def attempt_of(pid: int) -> int | None:
@@ -78,8 +82,14 @@ def attempt_of(pid: int) -> int | None:
 
 def launches(pid: int) -> list[int]:
     """Supervisor ``pid``'s children but its persister: the command it runs and, beside it,
-    its warm standby (cli/_standby.py), ordered by attempt (unreadable ones last)."""
-    kids = [p for p in children(pid) if not is_persister(p)]
+    its warm standby (cli/_standby.py), ordered by attempt (unreadable ones last). A child
+    whose command line reads empty is exiting (a zombie has none): it is no launch, and it may
+    well be the persister the supervisor is closing."""
+    kids = []
+    for p in children(pid):
+        cmdline = _cmdline(p)
+        if cmdline and b"unbroken.cli._persister" not in cmdline:
+            kids.append(p)
     return sorted(kids, key=lambda p: (attempt_of(p) or 1 << 30, p))
 
 
@@ -92,6 +102,33 @@ def trainers(pid: int) -> list[int]:
     if len(kids) > 1 and attempt_of(kids[0]) is not None:
         return kids[:1]
     return kids
+
+
+def tree_report(pid: int) -> str:
+    """``pid`` and its descendants, one line each -- state, kernel wait channel, scheduling
+    policy of every thread (5: SCHED_IDLE), command line -- for the message of a test that
+    timed out: where a hung job hangs."""
+    from unbroken._tree import descendants
+
+    lines = []
+    for p in [pid, *descendants(pid)]:
+        try:
+            with open(f"/proc/{p}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[:2]
+            with open(f"/proc/{p}/wchan") as f:
+                wchan = f.read()
+            policies = set()
+            for tid in os.listdir(f"/proc/{p}/task"):
+                try:
+                    policies.add(os.sched_getscheduler(int(tid)))
+                except OSError:
+                    pass
+        except OSError:
+            continue
+        cmd = _cmdline(p).replace(b"\0", b" ").decode(errors="replace")[:160]
+        ppid = state[1].decode()
+        lines.append(f"{p} (parent {ppid}) {state[0].decode()} {wchan} {sorted(policies)} {cmd}")
+    return "\n".join(lines)
 
 
 def expected_code(sig: str) -> int:

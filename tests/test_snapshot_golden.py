@@ -19,7 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.golden import ROOT, assert_identical, launch, logged_steps, resume_steps, trainers
+from tests.golden import (
+    ROOT,
+    assert_identical,
+    launch,
+    logged_steps,
+    resume_steps,
+    trainers,
+    tree_report,
+)
 
 SCRIPT = ROOT / "tests" / "scripts" / "toy_train.py"
 STEPS = 30
@@ -98,9 +106,16 @@ def test_two_ranks_under_torchrun_lose_at_most_one_step(tmp_path: Path) -> None:
     cmd += [str(script), *args, "--run-dir", str(run), "--snapshot-every", "1"]
     # (--signal is left at its default, KILL: torchrun would take it for --signals-to-handle)
     cmd += ["--signal-at", "7", "--signal-rank", "1", "--signal-attempt", "1"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    assert "kept the in-memory snapshot of step" in proc.stderr, proc.stderr[-3000:]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=400)
+    except subprocess.TimeoutExpired:
+        tree = tree_report(proc.pid)  # where it hangs, before its end is pulled down
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"hung for 400 s:\n{tree}\n{(out + err)[-5000:]}") from None
+    assert proc.returncode == 0, (out + err)[-5000:]
+    assert "kept the in-memory snapshot of step" in err, err[-3000:]
     resumes = resume_steps(run)
     assert len(resumes) == 1 and 6 <= resumes[0] <= 7, resumes  # at most one step behind 7
     assert_identical(ref, run)

@@ -412,3 +412,42 @@ def test_a_run_opening_is_seen_whatever_the_file_clock(tmp_path: Path) -> None:
     behind = time.time_ns() - int((UNSNAPPED + 1) * 10**9)  # behind any clock, past the mark
     os.utime(area.channel, ns=(behind, behind))
     assert sb._run_opened(mark)
+
+
+# A promoted standby whose one process is still SCHED_IDLE: it forks a child that is.
+_LEFT_IDLE = """
+import os, subprocess, sys
+os.read(int(os.environ["UNBROKEN_STANDBY"]), 1)  # the promotion
+child = (
+    "import os, sys, time; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0));"
+    "time.sleep(1.5); open(sys.argv[1], 'w').write(str(os.sched_getscheduler(0)))"
+)
+subprocess.run([sys.executable, "-c", child, sys.argv[1]], check=True)
+"""
+
+
+@pytest.mark.skipif(not idle_undoable(), reason="SCHED_IDLE cannot be undone here (not root)")
+def test_a_promoted_standby_is_kept_out_of_sched_idle_until_it_trains(tmp_path: Path) -> None:
+    """The supervisor lifts a promoted standby out of SCHED_IDLE at the promotion, and then on
+    every look until its ``Run`` opened and trained: a process of it that the first lift missed
+    (one forked while the supervisor read the process table, a thread started meanwhile) would
+    otherwise import torch on idle time -- on a busy machine, minutes (seen on CI: a standby
+    torchrun's rank never got through its imports and the job hung for 400 s). Here the
+    missed process is one that enters SCHED_IDLE after the promotion; it reports its policy
+    1.5 s later."""
+    area = _shm.SupervisorArea.create(str(tmp_path))
+    stops = tmp_path / "stops"
+    stops.mkdir(mode=0o700)
+    policy = tmp_path / "policy"
+    args = type("A", (), {"no_standby": False, "quiet": True, "standby": None})()
+    cmd = [sys.executable, "-c", _LEFT_IDLE, str(policy)]
+    sb = Standby(args, cmd, str(stops), area, lambda _: None)
+    assert sb.off is None, sb.off
+    try:
+        sb._start(2)
+        promoted, note = sb.take(2)
+        assert promoted is not None, note
+        assert sb.wait(promoted, 2, sb.mark(), lambda: False) == 0
+    finally:
+        sb.close()
+    assert policy.read_text() == str(os.SCHED_OTHER), "left on idle time after its promotion"

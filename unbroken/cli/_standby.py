@@ -174,6 +174,7 @@ class Standby:
         self.held: tuple[int, str] | None = None
         self.attempt = 0  # the attempt the spare is for
         self.idle: bool | None = None  # SCHED_IDLE while it sets up (probed once)
+        self.lifting: _job.Launch | None = None  # promoted from SCHED_IDLE, not yet trained
         self.told = False
 
     def mark(self) -> int:
@@ -200,7 +201,16 @@ class Standby:
                 return proc.wait(timeout=0.1)
             except subprocess.TimeoutExpired:
                 pass
-            if not stopping() and self._run_opened(mark):
+            opened = self._run_opened(mark)
+            if self.lifting is launch:
+                # Again on every look until it trained: the lift at the promotion misses a
+                # process forked while it read the process table (or a thread started
+                # meanwhile), and one left importing torch on idle time takes minutes on a
+                # busy machine while the job's other ranks wait for it (seen on CI).
+                _normal_priority(launch.tree.members())
+                if opened:
+                    self.lifting = None
+            if not stopping() and opened:
                 if self.torchrun is None and _several_ranks(launch):
                     self.off = "the job runs several ranks"
                 else:
@@ -274,6 +284,7 @@ class Standby:
         if self.attempt == n and code is None:
             if self.idle:
                 _normal_priority(spare.tree.members())  # it may still be setting up
+                self.lifting = spare  # and again until it trained (wait)
             try:
                 os.write(pipe, b"g" * (GO if fifo else 1))
             except OSError:
@@ -306,7 +317,9 @@ class Standby:
 def _normal_priority(pids: list[int]) -> None:
     """Every thread of ``pids`` from ``SCHED_IDLE`` back to ``SCHED_OTHER``: a standby promoted
     while still setting up must not finish it on idle time (the machine may be busy with
-    others' work). The standby does the same for itself in ``Run()`` (train/_standby.py)."""
+    others' work). The standby does the same for itself in ``Run()`` (train/_standby.py).
+    Until the promoted launch trained, a process of it that entered ``SCHED_IDLE`` on its own
+    is lifted too: a brief window, and a trainer's set-up is no place for idle time."""
     for pid in pids:
         try:
             tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
