@@ -17,6 +17,8 @@ p.add_argument("--absent", type=int, default=-1)
 p.add_argument("--timeout", type=float, default=2.0)
 a = p.parse_args()
 dist.init_process_group("gloo")
+# As Run() does: a gloo group left alive into interpreter teardown can abort the process (-6).
+_dist.clean_exit()
 rank = dist.get_rank()
 _dist.set_report_dir(a.run_dir)
 _dist.set_timeout(a.timeout)
