@@ -2,69 +2,57 @@
 
 Real worker processes, real signals: the stop signals sent to the workers of a protected torch
 DataLoader -- while they start and while they serve batches -- change nothing; the same signals
-kill an unprotected loader's workers, and torch then raises in the main process (the failure a
-scheduler's tree-wide stop caused). A script that ends with protected persistent workers alive
-(which ignore the SIGTERM multiprocessing sends at exit) still exits at once.
+kill an unprotected loader's workers (the failure a scheduler's tree-wide stop caused; torch then
+raises in the main process, or waits forever: tests/scripts/worker_signals.py). Each case runs in
+a process of its own, so a regression fails the test instead of hanging the suite. A script that
+ends with protected persistent workers alive (which ignore the SIGTERM multiprocessing sends at
+exit) still exits at once.
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 
-import pytest
-import torch
-
-import unbroken
 from tests.golden import ROOT
 
 STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+SCRIPT = ROOT / "tests" / "scripts" / "worker_signals.py"
 
 
-class Slow(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return 32
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        time.sleep(0.02)
-        return torch.tensor([i])
-
-
-def _signal_workers() -> int:
-    kids = [p.pid for p in multiprocessing.active_children()]
-    for pid in kids:
-        for sig in STOPS:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-    return len(kids)
-
-
-def _drain(loader: torch.utils.data.DataLoader) -> list[int]:
-    it = iter(loader)
-    assert _signal_workers() == 2  # while they start
-    got = [int(next(it)[0])]
-    time.sleep(0.2)
-    assert _signal_workers() == 2  # while they serve
-    got += [int(b[0]) for b in it]
-    return got
+def _signalled(*args: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_protected_workers_ignore_stop_signals() -> None:
-    loader = unbroken.protect_workers(torch.utils.data.DataLoader(Slow(), num_workers=2))
-    assert _drain(loader) == list(range(32))
+    out = _signalled("--protect")
+    assert out["workers"] == 2
+    assert out["exit_codes"] == [None, None]
+    assert out["raised"] == []
+    assert out["got"] == list(range(32))
 
 
-def test_unprotected_workers_die_of_them_and_torch_raises() -> None:
-    # The failure protect_workers prevents (so the test above can fail).
-    loader = torch.utils.data.DataLoader(Slow(), num_workers=2)
-    with pytest.raises(RuntimeError, match="DataLoader worker"):
-        _drain(loader)
+def test_unprotected_workers_die_of_them() -> None:
+    # The failure protect_workers prevents (so the test above can fail): every worker dies of
+    # one of the signals while it starts (which one: the kernel delivers pending signals lowest
+    # number first). Whether torch's SIGCHLD handler raises in the main process meanwhile is a
+    # race (it does in most runs, not all): the deaths are the failure.
+    out = _signalled()
+    assert out["workers"] == 2
+    assert all(c is not None and -c in STOPS for c in out["exit_codes"]), out
+    assert out["got"] == []
 
 
 _EXIT = r"""
