@@ -24,14 +24,19 @@ STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 SCRIPT = ROOT / "tests" / "scripts" / "worker_signals.py"
 
 
-def _signalled(*args: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
+def _python(*argv: str) -> subprocess.CompletedProcess[str]:
+    # 120 s: a hang (multiprocessing waiting for workers forever) fails the test, not the suite.
+    return subprocess.run(
+        [sys.executable, *argv],
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def _signalled(*args: str) -> dict:
+    proc = _python(str(SCRIPT), *args)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -68,13 +73,7 @@ print("end", flush=True)
 
 def test_a_script_ending_with_protected_persistent_workers_exits_at_once() -> None:
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-c", _EXIT],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=120,  # a hang: multiprocessing would wait for the workers forever
-    )
+    proc = _python("-c", _EXIT)
     assert proc.returncode == 0 and proc.stdout.strip() == "end", proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert time.monotonic() - t0 < 100
