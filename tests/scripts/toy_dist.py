@@ -8,12 +8,15 @@ and resumed, from the kernel's ``/proc/self/io`` ``rchar``, and the seconds it t
 ``--dump-after-load FILE`` (rank 0 writes the full model, optimizer and EMA tensors right after
 the resume to a safetensors file, then exits); ``--grow-at K`` (DDP: a ``before_step``
 callback widens the hidden layer from 32 to 64 when step K starts; the loop uses
-``run.model`` and ``run.optimizer``, which the change replaces).
+``run.model`` and ``run.optimizer``, which the change replaces); ``--accumulate K`` (DDP: each
+batch in K micro-batches, the first K-1 under ``no_sync()``); ``--bf16`` (the forward under
+``torch.autocast("cpu", dtype=torch.bfloat16)``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import os
@@ -70,6 +73,8 @@ def main() -> None:
     p.add_argument("--grow-at", type=int, default=None)
     p.add_argument("--time-limit", type=float, default=None, help="seconds (time_margin 0)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step, rank 1 x2")
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--bf16", action="store_true")
     a = p.parse_args()
 
     rank, world = unbroken.init_distributed()
@@ -145,8 +150,15 @@ def main() -> None:
     if a.signal_attempt is not None:
         me = me and os.environ.get("UNBROKEN_ATTEMPT") == str(a.signal_attempt)
     for x, y in run.loop(loader):
-        loss = F.mse_loss(run.model(x), y.expand(-1, 3))
-        loss.backward()
+        k = a.accumulate
+        for i, (xs, ys) in enumerate(zip(x.chunk(k), y.chunk(k), strict=True)):
+            last = i == k - 1
+            sync = contextlib.nullcontext() if last else run.model.no_sync()
+            with sync:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
+                    part = F.mse_loss(run.model(xs).float(), ys.expand(-1, 3)) / k
+                part.backward()
+            loss = part.detach() if i == 0 else loss + part.detach()
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
         ema.update()

@@ -14,6 +14,7 @@ from ..state import Counters, GlobalRNG, Registry
 from ..store import Retention
 from ._audit import refuse_untrackable
 from ._config import RunConfig, option_hint
+from ._reduction import fix_layouts
 
 RESERVED = ("counters", "rng")
 log = _log.get("run")
@@ -36,6 +37,7 @@ def track(
             check_world(name, obj, rank, world)
     registry.add("counters", counters)
     registry.check_untracked_parameters()
+    fix_layouts(list(registry.modules().values()))  # DDP: one reduction layout for the run
     if config.track_rng:
         registry.add("rng", GlobalRNG())
     return registry

@@ -24,6 +24,7 @@ from .._errors import ConfigError, StateError
 from ..state import EMA, Counters, Registry
 from ..state._adapters import unwrap
 from ._audit import retire
+from ._reduction import fix_layouts
 
 GrowHook = Callable[[str, str, torch.Tensor, torch.Size], torch.Tensor | None]
 """``grow(name, what, old, new_shape)``: what is "param_state:<key>" or "ema"; return the new
@@ -263,7 +264,9 @@ class ModelSwap:
         _, ema = reg.first("ema", EMA)
         if ema is not None and unwrap(ema.model) is old:
             grow_ema(ema, new, self.grow)
-        reg.replace(model_name, _rewrap(tracked, new, self.wrap_model))
+        wrapped = _rewrap(tracked, new, self.wrap_model)
+        fix_layouts([wrapped])  # a new DDP reduces in one layout too
+        reg.replace(model_name, wrapped)
         self.on_changed({"reason": reason, **remap.summary()})
         return remap
 
