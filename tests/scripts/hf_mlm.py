@@ -49,9 +49,11 @@ class CropThenMask:
 
 
 class Trainer(UnbrokenTrainer):
-    """Logs a checksum of the step's micro-batches (``batch``) in the step's metrics line."""
+    """Logs a checksum of the step's training micro-batches (``batch``) in its metrics line."""
 
     def compute_loss(self, model, inputs, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if not model.training:  # evaluation: not a training micro-batch
+            return super().compute_loss(model, inputs, *args, **kwargs)
         if getattr(self, "_sum_step", None) != self.state.global_step:
             self._sum_step, self._sum = self.state.global_step, 0
         ids, labels = inputs["input_ids"], inputs["labels"]

@@ -348,7 +348,7 @@ def _build() -> type:
                     f"{type(collator).__name__}(seed=...) masks from a generator of its own, "
                     "made per process and never saved, so a resume draws its numbers again from "
                     "the start; drop seed=: the loader seeds the global streams the collator "
-                    "draws from per batch, from TrainingArguments.seed and the batch's samples"
+                    "draws from per batch, from data_seed (or seed) and the batch's samples"
                 )
             kind = str(getattr(self.accelerator.distributed_type, "name", ""))
             if kind in _UNSUPPORTED:
