@@ -398,6 +398,33 @@ def test_worker_iterators_draw_nothing_from_global_torch_rng():
     assert torch.equal(before, torch.get_rng_state())
 
 
+def _random_collate(items: list[int]) -> torch.Tensor:
+    """Draws from all three global streams, as masking collators and random crops do."""
+    noise = torch.rand(len(items)) + random.random() + float(np.random.rand())
+    return torch.tensor(items, dtype=torch.float64) + noise
+
+
+def test_a_collate_fn_draws_the_same_numbers_in_any_process_at_any_resume():
+    # Each batch's collate runs with the streams seeded from the batch's keys: the same numbers
+    # with 0 or 2 workers and from a resumed position; the main process's streams (the
+    # training stream) are put back, as if no batch had been collated.
+    torch.manual_seed(5)
+    before = rng_states()
+    full = torch.cat(list(unbroken.DataLoader(range(20), 4, seed=0, collate_fn=_random_collate)))
+    assert_same_rng(before, rng_states())
+    workers = unbroken.DataLoader(range(20), 4, seed=0, num_workers=2, collate_fn=_random_collate)
+    assert torch.equal(torch.cat(list(workers)), full)
+    resumed = unbroken.DataLoader(range(20), 4, seed=0, collate_fn=_random_collate)
+    resumed.load_state_dict({**resumed.state_dict(), "position": 8})
+    assert torch.equal(torch.cat(list(resumed)), full[8:])
+    assert len(set((full - full.round()).tolist())) > 10  # random, not one number repeated
+    # Opting out (reseed_globals=False): the collate draws from the process's own streams.
+    loose = unbroken.DataLoader(
+        range(20), 4, seed=0, collate_fn=_random_collate, reseed_globals=False
+    )
+    assert not torch.equal(torch.cat(list(loose)), full)
+
+
 # ---- ranks ------------------------------------------------------------------------------------
 
 

@@ -12,7 +12,11 @@ Randomness inside a sample comes from (seed, epoch, index), never from worker st
   streams seeded so (in the main process they are put back afterwards, so the training
   stream -- dropout, say -- is not disturbed).
 
-Either way augmentation is identical for any ``num_workers`` and any resume point.
+Either way augmentation is identical for any ``num_workers`` and any resume point. A
+``collate_fn`` runs with the same global streams seeded from (seed, the batch's keys) and, in
+the main process, put back (``_streams.BatchSeeder``): a collator that masks or crops at random
+draws the same numbers in any process, and a batch fetched ahead of a save leaves the training
+stream as it was.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch.utils.data as tud
 from .._errors import ConfigError, DataError
 from . import _seeding, _workers
 from ._contract import LoaderBase
-from ._streams import SampleSeeder
+from ._streams import BatchSeeder, KeyedBatch, SampleSeeder
 
 LOADER_VERSION = 1
 
@@ -72,14 +76,19 @@ class _Batches:
 
 
 class _SeededFetch(tud.Dataset[Any]):
-    """Wraps the user's dataset: keys are (epoch, index) and each sample is seeded from them."""
+    """Wraps the user's dataset: keys are (epoch, index) and each sample is seeded from them.
 
-    def __init__(self, dataset: Any, seed: int, reseed_globals: Any) -> None:
+    ``keyed``: a batch comes back as a :class:`KeyedBatch` (a list that knows its keys), for a
+    :class:`BatchSeeder` collate to seed the global streams from.
+    """
+
+    def __init__(self, dataset: Any, seed: int, reseed_globals: Any, keyed: bool = False) -> None:
         self.dataset = dataset
         self.seed = seed
         self.seeder = SampleSeeder(seed, reseed_globals)
         self.protocol = callable(getattr(dataset, "get_sample", None))
         self.batched = callable(getattr(dataset, "__getitems__", None))
+        self.keyed = keyed
 
     def _generated(self, key: tuple[int, int]) -> Any:
         g = torch.Generator()
@@ -90,6 +99,10 @@ class _SeededFetch(tud.Dataset[Any]):
         return self.__getitems__([key])[0]
 
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
+        items = self._fetch(keys)
+        return KeyedBatch(items, keys) if self.keyed else items
+
+    def _fetch(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
         if self.protocol:
             return [self._generated(k) for k in keys]
         if not self.seeder.active:
@@ -111,7 +124,8 @@ class DataLoader(LoaderBase):
     epoch, i) -- True (each of Python's, NumPy's and torch's that the dataset draws from,
     found by watching them), False, or some of ``"python"``, ``"numpy"``, ``"torch"``
     (seeded for every sample, watched or not); a dataset with ``get_sample(i, generator)``
-    gets a generator instead.
+    gets a generator instead. ``collate_fn`` runs with the streams ``reseed_globals`` names
+    (True: all three) seeded from (seed, the batch's samples), put back in the main process.
 
     Example::
 
@@ -165,13 +179,15 @@ class DataLoader(LoaderBase):
         # iter() move on. A pass that starts on a finished epoch (just loaded or set_epoch'd)
         # yields nothing, so the consumer sees that epoch end exactly as an uninterrupted one did.
         self._ended = False
+        # A collate_fn runs with the global streams seeded from its batch's keys (BatchSeeder).
+        collate = BatchSeeder.wrap(collate_fn, self.seed, reseed_globals)
         self._inner = _workers.inner_loader(
             self,
-            _SeededFetch(dataset, self.seed, reseed_globals),
+            _SeededFetch(dataset, self.seed, reseed_globals, keyed=collate is not collate_fn),
             _Batches(self),
             seed=self.seed,
             num_workers=num_workers,
-            collate_fn=collate_fn,
+            collate_fn=collate,
             pin_memory=pin_memory,
             persistent_workers=persistent_workers,
             prefetch_factor=prefetch_factor,

@@ -26,6 +26,12 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return derive(seed, epoch, index, domain=b"sample")
 
 
+def batch_seed(seed: int, keys: Sequence[tuple[int, int]]) -> int:
+    """The seed of a batch's collate: hashed from (seed, and each sample's (epoch, index))."""
+    flat = [seed, *(v for key in keys for v in key)]
+    return derive(*flat, domain=b"collate")
+
+
 def epoch_order(seed: int, epoch: int, n: int, shuffle: bool) -> np.ndarray:
     """Epoch ``epoch``'s order of ``n`` samples: a permutation fixed by (seed, epoch)."""
     if not shuffle:

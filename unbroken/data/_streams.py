@@ -149,6 +149,57 @@ _ALL = {
 }
 
 
+class KeyedBatch(list[Any]):
+    """A fetched batch's samples, with the (epoch, index) keys they were fetched for."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self, items: Any, keys: Sequence[tuple[int, int]]) -> None:
+        super().__init__(items)
+        self.keys = list(keys)
+
+
+class BatchSeeder:
+    """A ``collate_fn`` run with the global streams seeded from its batch's keys.
+
+    A collator that draws random numbers (masking tokens, a random crop) must draw the same
+    ones for a batch whichever process collates it and wherever a run resumed: torch seeds a
+    worker's streams per worker and per pass, and in the main process the collator would draw
+    from the training stream at whatever moment the batch is fetched (a framework fetches a
+    step's batches before it saves the step before). So the streams named by ``reseed``
+    (True: all three; every batch, without watching: a collate is not run twice) are seeded
+    from (seed, the batch's (epoch, index) keys) before each call, and in the main process put
+    back after it, so the training stream goes on as if no batch had been collated.
+    """
+
+    def __init__(self, collate_fn: Callable[[Any], Any], seed: int, streams: Sequence[str]):
+        self.collate_fn, self.seed, self.streams = collate_fn, seed, tuple(streams)
+
+    @classmethod
+    def wrap(cls, collate_fn: Any, seed: int, reseed: Any) -> Any:
+        """``collate_fn`` seeded per batch (unchanged when None, the default collate, which
+        draws nothing, or when ``reseed`` names no stream)."""
+        streams = _seeding.streams_of(reseed)
+        if collate_fn is None or not streams:
+            return collate_fn
+        return cls(collate_fn, seed, streams)
+
+    def __call__(self, batch: Any) -> Any:
+        if not isinstance(batch, KeyedBatch):
+            return self.collate_fn(batch)
+        streams = [_ALL[n] for n in self.streams]
+        main = tud.get_worker_info() is None
+        saved = [(st, st.save()) for st in streams] if main else []
+        try:
+            s = _seeding.batch_seed(self.seed, batch.keys)
+            for st in streams:
+                st.seed(s)
+            return self.collate_fn(list(batch))
+        finally:
+            for st, state in saved:
+                st.put(state)
+
+
 class SampleSeeder:
     """Fetches samples with the global streams seeded per sample from (seed, epoch, index).
 

@@ -23,6 +23,14 @@ private names of transformers 5.23 (hence the extra's ``<6``):
   ``on_epoch_end`` after the last step), saving the loader's position as it was at the step's
   end. The Trainer's own checkpoints (pickles) are switched off: ``save_steps`` becomes
   unbroken's ``save_every``, ``save_total_limit`` its ``keep_last``.
+- The collator runs where the loader fetches -- with 0 workers in the main process between
+  ``on_step_end`` and ``run.step()``, so after the step's end and before its save -- and
+  ``DataCollatorForLanguageModeling`` masks from the global torch stream. The loader runs it
+  with the global streams seeded from (seed, the batch's samples) and, in the main process,
+  puts them back (``unbroken.data._streams.BatchSeeder``): the batches prefetched before a
+  save leave the saved training stream untouched, and a resume collates them again to the
+  same masks, with any number of workers. A collator with a generator of its own
+  (``seed=``) is refused.
 """
 
 from __future__ import annotations
@@ -334,6 +342,14 @@ def _build() -> type:
                 )
             if a.auto_find_batch_size:
                 self._unbroken_inexact("auto_find_batch_size restarts the loop with other batches")
+            collator = self.data_collator
+            if getattr(collator, "seed", None) is not None and hasattr(collator, "generator"):
+                self._unbroken_inexact(
+                    f"{type(collator).__name__}(seed=...) masks from a generator of its own, "
+                    "made per process and never saved, so a resume draws its numbers again from "
+                    "the start; drop seed=: the loader seeds the global streams the collator "
+                    "draws from per batch, from data_seed (or seed) and the batch's samples"
+                )
             kind = str(getattr(self.accelerator.distributed_type, "name", ""))
             if kind in _UNSUPPORTED:
                 self._unbroken_inexact(f"distributed type {kind} is not supported by unbroken")
