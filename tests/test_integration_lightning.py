@@ -19,7 +19,13 @@ pytest.importorskip("pytorch_lightning")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from tests.golden import ROOT, assert_identical, launch, run_interrupted  # noqa: E402
+from tests.golden import (  # noqa: E402
+    ROOT,
+    assert_identical,
+    launch,
+    resume_steps,
+    run_interrupted,
+)
 
 EXAMPLE = ROOT / "examples" / "lightning_lm.py"
 INTERRUPT = ROOT / "tests" / "scripts" / "interrupt.py"
@@ -43,12 +49,14 @@ def _same_final(a: Path, b: Path) -> None:
 
 
 def test_interrupted_equals_uninterrupted(reference: Path, tmp_path: Path) -> None:
-    # SIGTERM after step 7, the first batch of epoch 2: Lightning's own stop (its handler is
-    # chained) saves step 7. Ctrl-C after step 8: unbroken's, saves step 9, the end of epoch 2.
-    # SIGKILL after step 11, mid-epoch 3: resumes from step 10.
+    # SIGTERM after step 6, the end of epoch 1 (Lightning's notifier is chained, its loop does
+    # not act on it): saves step 7, the first batch of epoch 2, the step in progress. Ctrl-C
+    # after step 8: saves step 9, the end of epoch 2. SIGKILL after step 11, mid-epoch 3:
+    # resumes from step 10.
     run_interrupted(
-        INTERRUPT, [str(EXAMPLE), *ARGS], tmp_path, [(7, "TERM"), (8, "INT"), (11, "KILL")]
+        INTERRUPT, [str(EXAMPLE), *ARGS], tmp_path, [(6, "TERM"), (8, "INT"), (11, "KILL")]
     )
+    assert resume_steps(tmp_path) == [7, 9, 10]
     assert_identical(reference, tmp_path)
     _same_final(reference, tmp_path)
 
@@ -182,12 +190,14 @@ UNIFIED = ROOT / "tests" / "scripts" / "lightning_unified.py"
 def test_unified_lightning_package_with_a_datamodule_and_validation(tmp_path: Path) -> None:
     """``import lightning as L`` (``lightning.pytorch``), a LightningDataModule returning
     unbroken.DataLoaders, a validation loop every 4 steps, and a field ``training_step``
-    returns. SIGTERM after step 6 (mid-epoch; its stop saves step 6), SIGKILL after step 9
-    (after the validation of step 8; resumes from step 6): equal to the uninterrupted run."""
+    returns. SIGTERM after step 6 (mid-epoch; the stop saves step 7, the step in progress),
+    SIGKILL after step 9 (after the validation of step 8; resumes from step 7): equal to the
+    uninterrupted run."""
     pytest.importorskip("lightning")
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     assert launch(UNIFIED, ["--run-dir", str(ref)]) == 0
     run_interrupted(INTERRUPT, [str(UNIFIED)], cut, [(6, "TERM"), (9, "KILL")])
+    assert resume_steps(cut) == [7]  # the killed launch's resume is rewound with its steps
     assert_identical(ref, cut)
     _same_final(ref, cut)
     import unbroken

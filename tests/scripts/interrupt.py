@@ -1,11 +1,15 @@
 """Run a training script, sending the process a signal right after optimizer step K.
 
     python tests/scripts/interrupt.py SCRIPT [SCRIPT ARGS...] --signal-at K --signal TERM|KILL|...
-        [--signal-phase after|start] [--signal-tree]
+        [--signal-phase after|start|lightning:HOOK] [--signal-tree]
 
 ``after`` (default) signals when ``run.step()`` for step K returns (K=0: right after the Run is
 created); ``start`` signals at the start of step K+1, after its callbacks ran (e.g. right after a
-model change), before any of its micro-batches. ``--signal-tree`` signals every process of this
+model change), before any of its micro-batches. ``lightning:HOOK`` (``pytorch_lightning``
+scripts) signals when Lightning first calls the callback hook HOOK at global step K, outside the
+sanity check, before any callback runs it: ``lightning:on_train_batch_start`` lands in the first
+micro-batch of step K+1, ``lightning:on_validation_end`` after the last batch of the
+validation run at step K. ``--signal-tree`` signals every process of this
 one's tree (its DataLoader workers too), as a scheduler does. The script itself runs unchanged.
 """
 
@@ -15,6 +19,7 @@ import os
 import runpy
 import signal
 import sys
+from typing import Any
 
 
 def _take(argv: list[str], flag: str, default: str | None = None) -> str | None:
@@ -58,7 +63,9 @@ def _arm(at: int, sig: int, phase: str, whole_tree: bool) -> None:
             except ProcessLookupError:
                 pass
 
-    if phase == "after":
+    if phase.startswith("lightning:"):
+        _arm_lightning(at, phase.split(":", 1)[1], fire)
+    elif phase == "after":
         step, init = _run.Run.step, _run.Run.__init__
 
         def patched_step(self, *a, **k):  # type: ignore[no-untyped-def]
@@ -85,6 +92,27 @@ def _arm(at: int, sig: int, phase: str, whole_tree: bool) -> None:
 
         _loop.Stepper.begin_step = patched_begin  # type: ignore[method-assign]
     assert unbroken
+
+
+def _arm_lightning(at: int, hook: str, fire: Any) -> None:
+    from pytorch_lightning.trainer import call
+
+    calls = call._call_callback_hooks
+    fired = False
+
+    def patched(trainer, hook_name, *a, **k):  # type: ignore[no-untyped-def]
+        nonlocal fired
+        if (
+            not fired
+            and hook_name == hook
+            and not trainer.sanity_checking
+            and trainer.global_step == at
+        ):
+            fired = True
+            fire()
+        return calls(trainer, hook_name, *a, **k)
+
+    call._call_callback_hooks = patched
 
 
 if __name__ == "__main__":

@@ -89,6 +89,8 @@ def main() -> int:
     p.add_argument("--val-workers", type=int, default=2)
     p.add_argument("--val-persistent", action="store_true")
     p.add_argument("--epoch-samples", type=int, default=40)
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--precision", default="32-true")
     a = p.parse_args()
 
     torch.set_num_threads(1)
@@ -109,6 +111,8 @@ def main() -> int:
     vals = ValLog()
     trainer = pl.Trainer(
         max_steps=a.steps,
+        accumulate_grad_batches=a.accumulate,
+        precision=a.precision,
         val_check_interval=a.val_every,
         check_val_every_n_epoch=None,
         logger=False,

@@ -16,12 +16,19 @@ runs it after every other callback and adds no default ``ModelCheckpoint``). It 
   stop handlers, which chain to Lightning's.
 - ``on_train_batch_end`` after an optimizer step: ``run.step(loss, lr)``: log, save on the
   configured triggers, save and exit 75 on a signal or the time budget.
+- From ``on_train_start`` until the run closes, Lightning's loops do not see its SIGTERM flag
+  (:class:`_QuietSigterm`): Lightning would stop at the end of whatever batch the signal landed
+  in -- a micro-batch of an accumulation window, a validation batch, after a validation or an
+  epoch end -- where nothing can be saved that an uninterrupted run passes through. The stop is
+  honoured by ``run.step()`` at the end of the optimizer step in progress, like SIGINT and
+  SIGUSR1.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import signal
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -117,12 +124,63 @@ def LightningResume(  # noqa: N802 - reads as the class it returns
     return cls(run_dir, strict, handle_signals, dict(extra or {}), options)
 
 
+class _QuietSigterm:
+    """The trainer's signal connector as Lightning's loops see it while unbroken trains: its
+    SIGTERM flag reads False.
+
+    Lightning's SIGTERM notifier (which unbroken's handler chains to) sets the flag, and its
+    loops raise ``SIGTERMException`` at the next batch end that reads it: after a micro-batch of
+    an accumulation window (training_epoch_loop.py ``on_advance_end``), after a validation batch
+    (evaluation_loop.py ``_evaluation_step``), after a validation that ran after the step, or
+    after an epoch end (fit_loop.py ``on_advance_end``). The step before was saved with its own
+    batch end's loop state, but the random streams, the callbacks and the validation's progress
+    would be those of the later point: the resume replays the micro-batch with other dropout
+    masks, or runs the validation a second time. Hidden, the flag is read by the callback at the
+    next optimizer step's batch end instead (:meth:`sigterm`), where ``run.step()`` saves and
+    exits 75. Everything else is the connector's (``__getattr__``); the flag set by the
+    notifier lands on the connector itself."""
+
+    def __init__(self, connector: Any) -> None:
+        self.__dict__["_connector"] = connector
+
+    @property
+    def received_sigterm(self) -> bool:
+        return False
+
+    @received_sigterm.setter
+    def received_sigterm(self, value: bool) -> None:
+        self._connector.received_sigterm = value
+
+    @property
+    def sigterm(self) -> bool:
+        """Lightning received a SIGTERM (its own flag)."""
+        return bool(self._connector.received_sigterm)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_connector"], name)
+
+    @staticmethod
+    def hide(trainer: Any) -> _QuietSigterm:
+        conn = trainer._signal_connector
+        if not isinstance(conn, _QuietSigterm):
+            conn = trainer._signal_connector = _QuietSigterm(conn)
+        return conn
+
+    @staticmethod
+    def show(trainer: Any) -> None:
+        conn = getattr(trainer, "_signal_connector", None)
+        if isinstance(conn, _QuietSigterm):
+            trainer._signal_connector = conn._connector
+
+
 class _FitLoopState:
     """Lightning's fit-loop progress as a component (counters, restart stage, loader states).
 
-    A save normally happens in ``on_train_batch_end``; a stop that Lightning itself raises
-    (its SIGTERM exception, after the batch) is saved with the loop state captured at that
-    batch end, so every checkpoint resumes through the same restart path.
+    A save happens in ``on_train_batch_end`` (``run.step()``) with the loop state captured at
+    that batch end, marked when a validation is due after it; a stop that Lightning itself
+    raises (its SIGTERM exception, only before training starts: :class:`_QuietSigterm`) is
+    saved with the same captured state, so every checkpoint resumes through the same restart
+    path.
     """
 
     def __init__(self, trainer: Any) -> None:
@@ -162,6 +220,7 @@ def _build(pl: Any) -> type:
             self.run: Any = None
             self._loop: _FitLoopState | None = None
             self._lr: float | None = None
+            self._sigterm: _QuietSigterm | None = None
 
         @property
         def state_key(self) -> str:
@@ -254,6 +313,8 @@ def _build(pl: Any) -> type:
             self._set_epoch(trainer)
             restart.count_epoch_started(trainer)
             restart.protect_val_loaders(trainer)  # built by now when a validation will run
+            if self.run is not None:
+                self._sigterm = _QuietSigterm.hide(trainer)  # stops only at a step's end
             if self.run is not None and self.handle_signals:
                 # Installed now, after Lightning's own (SIGTERM notifier, SLURM requeue on
                 # SIGUSR1), so unbroken's handler chains to them instead of hiding them.
@@ -305,6 +366,10 @@ def _build(pl: Any) -> type:
                 loss = None
             scalars = {"lr": self._lr} if self._lr is not None else {}
             scalars.update(step_fields(outputs))
+            if self._sigterm is not None and self._sigterm.sigterm and not run._stop.requested:
+                # A SIGTERM Lightning caught and unbroken's handler did not (handle_signals=
+                # False): this step's end is where it is honoured.
+                run._stop.record(signal.SIGTERM)
             run.step(loss=loss, **scalars)
 
         # ---- the end ------------------------------------------------------------------------
@@ -312,20 +377,24 @@ def _build(pl: Any) -> type:
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             if self.run is not None:
                 self.run.finish()
+            _QuietSigterm.show(trainer)
 
         def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+            _QuietSigterm.show(trainer)
             run = self.run
             if run is None or run.closed:
                 return
             if isinstance(exception, SIGTERMException):
-                # Lightning's own SIGTERM stop, raised after the step's batch end: save that
-                # step (unless saved already) and make the exit resumable.
+                # Lightning's own SIGTERM stop, which it raises only before training starts
+                # (the sanity check): save that step (unless saved already) and make the exit
+                # resumable.
                 run.stop("SIGTERM")
                 exception.code = EXIT_RESUMABLE
                 return
             run.close()  # a crash: release the lock; the last checkpoint stays the latest
 
         def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            _QuietSigterm.show(trainer)
             if self.run is not None and not self.run.closed:
                 self.run.close()
 
