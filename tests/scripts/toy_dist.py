@@ -151,6 +151,7 @@ def main() -> None:
         me = me and os.environ.get("UNBROKEN_ATTEMPT") == str(a.signal_attempt)
     for x, y in run.loop(loader):
         k = a.accumulate
+        loss = torch.zeros(())
         for i, (xs, ys) in enumerate(zip(x.chunk(k), y.chunk(k), strict=True)):
             last = i == k - 1
             sync = contextlib.nullcontext() if last else run.model.no_sync()
@@ -158,7 +159,7 @@ def main() -> None:
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
                     part = F.mse_loss(run.model(xs).float(), ys.expand(-1, 3)) / k
                 part.backward()
-            loss = part.detach() if i == 0 else loss + part.detach()
+            loss = part.detach() if i == 0 else loss + part.detach()  # the batch's mean
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
         ema.update()

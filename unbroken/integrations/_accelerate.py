@@ -24,6 +24,7 @@ from typing import Any
 
 from .. import _log
 from .._errors import ConfigError
+from ..train._reduction import fix_layouts
 
 log = _log.get()
 
@@ -99,4 +100,5 @@ def accelerate_run(accelerator: Any, run_dir: str, /, *, strict: bool = True, **
         inexact(
             "no unbroken.DataLoader was given (loader=...); the data position would not be saved"
         )
+    fix_layouts(accelerator._models)  # DDP as prepared: one reduction layout (train/_reduction)
     return Run(run_dir, **comps, **extra, **options)

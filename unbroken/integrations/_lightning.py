@@ -39,6 +39,7 @@ from .. import _log
 from .._errors import ConfigError
 from .._exit import EXIT_RESUMABLE
 from ..train._config import RunConfig
+from ..train._reduction import fix_layouts
 from . import _lightning_restart as restart
 
 log = _log.get("lightning")
@@ -313,6 +314,9 @@ def _build(pl: Any) -> type:
             self._set_epoch(trainer)
             restart.count_epoch_started(trainer)
             restart.protect_val_loaders(trainer)  # built by now when a validation will run
+            # The strategy wrapped the module in DDP by now (before the first backward): one
+            # reduction layout, whenever the process started (train/_reduction.py).
+            fix_layouts([getattr(trainer.strategy, "model", None)])
             if self.run is not None:
                 self._sigterm = _QuietSigterm.hide(trainer)  # stops only at a step's end
             if self.run is not None and self.handle_signals:

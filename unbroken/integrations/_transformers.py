@@ -43,6 +43,7 @@ import torch
 from .. import _log
 from .._errors import ConfigError
 from ..train._config import RunConfig
+from ..train._reduction import fix_layouts
 from ._eval import protect_eval_loader
 
 log = _log.get()
@@ -458,6 +459,9 @@ def _build() -> type:
             if a.save_total_limit is not None:
                 options["keep_last"] = int(a.save_total_limit)
             options.update(self._unbroken_options)
+            # The Trainer wrapped the model in DDP by now (on_train_begin, before the first
+            # backward): one reduction layout, whenever the process started.
+            fix_layouts([self.model_wrapped])
             return Run(self._unbroken_dir, **comps, **options)  # it announces a resume
 
         def _unbroken_callbacks(self) -> dict[str, Any]:

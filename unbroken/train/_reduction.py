@@ -86,7 +86,7 @@ def fix_reduction_layout(ddp: Any) -> str | None:
     return None
 
 
-def _reduce_bucket(state, bucket):  # type: ignore[no-untyped-def]
+def _reduce_bucket(state, bucket):  # noqa: ANN001, ANN201
     # Unannotated on purpose: DDP's register_comm_hook rejects any bucket annotation but the
     # GradBucket class itself, and this module's annotations are strings.
     return state(bucket)
@@ -97,7 +97,7 @@ def reducer_parameters(ddp: Any) -> list[torch.nn.Parameter]:
     are not ignored, each once (DistributedDataParallel._build_params_for_reducer)."""
     seen: set[int] = set()
     out = []
-    ignored = getattr(ddp, "parameters_to_ignore", set())
+    ignored: set[str] = set(getattr(ddp, "parameters_to_ignore", ()))
     for mname, module in ddp.module.named_modules():
         for pname, p in module.named_parameters(recurse=False):
             if p.requires_grad and f"{mname}.{pname}" not in ignored and id(p) not in seen:
