@@ -43,8 +43,9 @@ def with_(**kw) -> DeterminismSettings:
             "cudnn.deterministic is off",
             "deterministic = True",
         ),
+        ({"nccl_world": 3}, "NCCL reduces across 3 ranks", "NCCL_ALGO=Ring"),
     ],
-    ids=["algorithms", "warn_only", "cublas_unset", "cublas_bad", "benchmark", "cudnn"],
+    ids=["algorithms", "warn_only", "cublas_unset", "cublas_bad", "benchmark", "cudnn", "nccl"],
 )
 def test_each_setting_is_named_with_its_fix(change, named, fix):
     found = problems(with_(**change))
@@ -66,6 +67,9 @@ def test_all_set_or_no_cuda_is_clean():
     )
     assert len(problems(bad)) == 4
     assert problems(with_(cuda=False, deterministic_algorithms=False, cudnn_benchmark=True)) == []
+    # NCCL: 2 ranks add commutatively; a pinned algorithm reduces the same on any nodes.
+    assert problems(with_(nccl_world=2)) == []
+    assert problems(with_(nccl_world=8, nccl_algo="Ring")) == []
 
 
 def test_read_settings_reads_torch_and_the_environment():

@@ -21,7 +21,7 @@ import unbroken
 from tests import nodes
 from tests import torchrun_helpers as tr
 from tests.dist_launch import free_port
-from tests.golden import assert_identical
+from tests.golden import assert_identical, resume_steps
 from unbroken.store import CheckpointStore
 
 STEPS = tr.STEPS  # 10 steps, a save every 3
@@ -142,10 +142,9 @@ def test_three_nodes_the_survivors_merge_the_lost_nodes_part(tmp_path: Path) -> 
     survivor holds every file -- node 0 has ranks 0 and 2, node 2 has ranks 2 and 1 -- so the
     two supervisors add what they hold to one merge in the run directory, and the second one
     completes, verifies and commits it. The relaunch on one node with 3 ranks ends bitwise
-    equal to a run of 3 ranks stopped by a durable save at the same step and resumed: the
-    merged snapshot restores exactly what a save of that step does. (Against an uninterrupted
-    run, 3 gloo ranks differ in a few last bits after *any* resume, a durable one too: noted in
-    docs/distributed.md#limits.)"""
+    equal to an uninterrupted run of 3 ranks (at 3 ranks DDP's reduction order after a resume
+    is what train/_reduction.py fixes; before it, this compared with a run stopped at the
+    kept step, since any resume differed in the last bits)."""
     job = nodes.Job(tmp_path, tmp_path / "run", nodes=3, slurm=False)
     launch = job.start(*FAR_SLOW)
     tr.wait_for_step(job.run_dir, random.Random(tmp_path.name).randint(3, 6), launch[0])
@@ -168,13 +167,10 @@ def test_three_nodes_the_survivors_merge_the_lost_nodes_part(tmp_path: Path) -> 
     assert code == 0, out[-4000:]
     records = unbroken.read_metrics(str(job.run_dir), events=True)
     assert [r["step"] for r in records if r.get("event") == "resume"] == [kept.step]
-    reference = tmp_path / "reference"
-    # The script's SIGTERM after step N is honoured at the next step's boundary: saved at N+1.
-    _one_node(reference, 3, *FAR, "--preempt-after", str(kept.step - 1))
-    stopped = CheckpointStore(str(reference)).latest()
-    assert stopped is not None and stopped.step == kept.step
+    reference = tmp_path / "reference"  # uninterrupted, 3 ranks on one node
     code, out = _one_node(reference, 3, *FAR)
     assert code == 0, out[-4000:]
+    assert resume_steps(reference) == []
     assert_identical(reference, job.run_dir)
 
 

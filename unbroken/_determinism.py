@@ -41,6 +41,10 @@ class DeterminismSettings:
     """``torch.backends.cudnn.benchmark``."""
     cudnn_deterministic: bool
     """``torch.backends.cudnn.deterministic``."""
+    nccl_world: int = 0
+    """The world size when the default process group is NCCL's (0 otherwise)."""
+    nccl_algo: str | None = None
+    """The ``NCCL_ALGO`` environment variable."""
 
 
 def problems(s: DeterminismSettings) -> list[str]:
@@ -78,6 +82,14 @@ def problems(s: DeterminismSettings) -> list[str]:
             "torch.backends.cudnn.deterministic is off: cuDNN may use non-deterministic "
             "algorithms; set torch.backends.cudnn.deterministic = True"
         )
+    if s.nccl_world >= 3 and not s.nccl_algo:
+        # At 2 ranks a + b = b + a: any algorithm gives the same sums.
+        out.append(
+            f"NCCL reduces across {s.nccl_world} ranks with the algorithm it picks from the "
+            "topology it finds: a resume on the same nodes reduces as before, one on other "
+            "nodes or GPUs may differ in the last bits; export NCCL_ALGO=Ring and "
+            "NCCL_PROTO=Simple if the job may move (docs/distributed.md, 'What is bitwise where')"
+        )
     return out
 
 
@@ -93,7 +105,17 @@ def read_settings(environ: Any = None) -> DeterminismSettings:
         cublas_workspace=env.get(CUBLAS_VAR),
         cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
         cudnn_deterministic=bool(torch.backends.cudnn.deterministic),
+        nccl_world=_nccl_world(),
+        nccl_algo=env.get("NCCL_ALGO"),
     )
+
+
+def _nccl_world() -> int:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_world_size() if dist.get_backend() == "nccl" else 0
 
 
 def determinism_problems() -> list[str]:
