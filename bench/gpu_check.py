@@ -13,6 +13,9 @@
    memcpy + xxh3 into the slot).
 3. save and load GB/s of ``--save-gb`` GB of GPU tensors: unbroken (durable, format 2),
    ``torch.save``/``torch.load``, safetensors, DCP.
+4. with several GPUs: DDP over NCCL at every GPU of the machine (tests/scripts/toy_dist.py
+   ``--device cuda``), uninterrupted against SIGKILLed at step 6, SIGTERMed at step 9 and
+   resumed on the same world size: every tensor and logged step bitwise equal.
 
 Prints one table; the last line is one JSON object. Without CUDA it says so and exits 0
 having measured nothing (``"cuda": false``).
@@ -251,11 +254,39 @@ def save_load(gb: float, root: Path) -> dict[str, dict[str, float]]:
 # ---- main ------------------------------------------------------------------------------------
 
 
+def multi_gpu(root: Path) -> dict[str, Any]:
+    """Same-size resume of DDP over NCCL on every GPU here, bit for bit (section 4)."""
+    from tests.dist_launch import launch
+    from tests.golden import assert_identical, resume_steps
+
+    world = torch.cuda.device_count()
+    if world < 2:
+        return {"ok": True, "skipped": f"{world} GPU"}
+    toy = ROOT / "tests" / "scripts" / "toy_dist.py"
+    args = ["--device", "cuda", "--steps", "14", "--save-every", "4", "--width", "256"]
+    args += ["--batch-size", str(8 * world), "--n", str(64 * world)]
+    ref, cut = root / "ref", root / "cut"
+    t0 = time.perf_counter()
+    launch(toy, ["--run-dir", str(ref), *args], world, timeout=600)
+    launch(toy, ["--run-dir", str(cut), *args, "--signal-at", "6"], world, timeout=600)
+    launch(toy, ["--run-dir", str(cut), *args, "--signal-at", "9", "--signal", "TERM"], world)
+    launch(toy, ["--run-dir", str(cut), *args], world, timeout=600)
+    out: dict[str, Any] = {"world": world, "resumed_at": resume_steps(cut)}
+    try:
+        assert_identical(ref, cut)
+        out["ok"] = out["resumed_at"] == [4, 10]
+    except AssertionError as e:
+        out["ok"], out["difference"] = False, str(e)[:300]
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16], help="snapshot GB")
     p.add_argument("--save-gb", type=float, default=4.0)
     p.add_argument("--skip-golden", action="store_true")
+    p.add_argument("--skip-multi-gpu", action="store_true")
     p.add_argument("--dir", default=None, help="where files go (default: a temporary dir)")
     p.add_argument("--shm", default="/dev/shm")
     a = p.parse_args(argv)
@@ -299,11 +330,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{a.save_gb:g} GB from GPU tensors {'save GB/s':>10} {'load GB/s':>10}")
         for name, r in sl.items():
             print(f"{name:>23} {r['save_gbps']:>10.2f} {r['load_gbps']:>10.2f}", flush=True)
+        if not a.skip_multi_gpu:
+            result["multi_gpu"] = multi_gpu(root / "multi")
+            print(f"\nDDP over NCCL, same-size resume: {result['multi_gpu']}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result["seconds"] = round(time.perf_counter() - t_all, 1)
     print(json.dumps(result))
-    return 0 if result.get("golden", {"ok": True})["ok"] else 1
+    checks = [result.get("golden", {"ok": True}), result.get("multi_gpu", {"ok": True})]
+    return 0 if all(c["ok"] for c in checks) else 1
 
 
 if __name__ == "__main__":

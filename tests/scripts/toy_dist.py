@@ -10,7 +10,7 @@ the resume to a safetensors file, then exits); ``--grow-at K`` (DDP: a ``before_
 callback widens the hidden layer from 32 to 64 when step K starts; the loop uses
 ``run.model`` and ``run.optimizer``, which the change replaces); ``--accumulate K`` (DDP: each
 batch in K micro-batches, the first K-1 under ``no_sync()``); ``--bf16`` (the forward under
-``torch.autocast("cpu", dtype=torch.bfloat16)``).
+``torch.autocast(..., dtype=torch.bfloat16)``); ``--device cuda`` (one GPU per rank, NCCL; DDP).
 """
 
 from __future__ import annotations
@@ -75,9 +75,11 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step, rank 1 x2")
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: one GPU per rank, NCCL (DDP)")
     a = p.parse_args()
 
-    rank, world = unbroken.init_distributed()
+    rank, world = unbroken.init_distributed("nccl" if a.device == "cuda" else "gloo")
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if a.device == "cuda" else "cpu")
     unbroken.seed_everything(0)
 
     def build(stage: dict) -> torch.nn.Module:
@@ -95,7 +97,7 @@ def main() -> None:
         torch.manual_seed(ctx.step)  # the new layers' initial weights: the same on every rank
         return unbroken.Change(model=build({"width": 64}), stage={"width": 64})
 
-    model = build({"width": a.width})
+    model = build({"width": a.width}).to(device)
     if a.mode == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -150,13 +152,14 @@ def main() -> None:
     if a.signal_attempt is not None:
         me = me and os.environ.get("UNBROKEN_ATTEMPT") == str(a.signal_attempt)
     for x, y in run.loop(loader):
+        x, y = x.to(device), y.to(device)
         k = a.accumulate
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=device)
         for i, (xs, ys) in enumerate(zip(x.chunk(k), y.chunk(k), strict=True)):
             last = i == k - 1
             sync = contextlib.nullcontext() if last else run.model.no_sync()
             with sync:
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.bf16):
                     part = F.mse_loss(run.model(xs).float(), ys.expand(-1, 3)) / k
                 part.backward()
             loss = part.detach() if i == 0 else loss + part.detach()  # the batch's mean
