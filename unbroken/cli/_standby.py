@@ -83,8 +83,9 @@ DEEP_TEXT = (
     "one is kept instead); --no-standby turns it off"
 )
 TORCHRUN_TEXT = (
-    "a second torchrun whose workers wait with torch and unbroken imported and run the script "
-    "only when they take over: nothing of the script runs before that; --no-standby turns it off"
+    "a second torchrun of CMD, whose workers wait with torch and unbroken imported and run the "
+    "script only when they take over: nothing of the script runs before that; --no-standby "
+    "turns it off"
 )
 NOT_PYTHON = (
     "CMD is not `python SCRIPT ...` or `python -m MODULE ...` (a shell script, `python -c`, a "
@@ -289,9 +290,10 @@ class Standby:
         why = _stops.refusal(spare.stop_dir)
         if why is None:
             return  # died otherwise: replaced by a fresh launch at the promotion
-        self.spare, pipe, fifo, self.pipe, self.fifo = None, self.pipe, self.fifo, None, None
+        pipe, fifo = self.pipe, self.fifo
+        self.spare = self.pipe = self.fifo = None
         if pipe is not None:
-            _close(pipe, fifo)
+            _end(spare, pipe, fifo)  # (whatever it started goes with it)
         self._fall_back(why)
         if self.off is None:
             self._start(self.attempt)
