@@ -23,11 +23,11 @@ every 2 ms):
 
 The waiting standby's resident memory (VmRSS) and the CPU time it uses over 5 s of waiting
 are sampled once per supervisor, before its first kill, beside the trainer's RSS and the CPU
-time the standby took to get there (its set-up: the interpreter, the imports and, for the
-default standby, the script up to Run(); ``--standby imports`` waits before the script).
+time the standby took to get there (its set-up: the interpreter, the imports and, for
+``--standby deep``, the script up to Run(); the default standby waits before the script).
 
     .venv/bin/python bench/bench_recovery.py --kills 3 --rounds 2 --seed 5 \
-        --opts standby= --opts imports='--standby imports' --opts no-standby=--no-standby
+        --opts standby= --opts deep='--standby deep' --opts no-standby=--no-standby
 
 ``--src LABEL=DIR`` runs the same bench against another checkout (``PYTHONPATH=DIR``), e.g.
 ``--src main=/work/main --src branch=.``, to compare side by side.

@@ -9,21 +9,28 @@ import pytest
 from unbroken.cli._policy import (
     Action,
     End,
+    Failure,
     History,
     Limits,
     Outcome,
     Verdict,
+    advanced,
     classify,
     policy,
 )
 
-TERM, INT, USR1, HUP, KILL = (
+TERM, INT, USR1, HUP, KILL, SEGV, BUS, ABRT = (
     -signal.SIGTERM,
     -signal.SIGINT,
     -signal.SIGUSR1,
     -signal.SIGHUP,
     -signal.SIGKILL,
+    -signal.SIGSEGV,
+    -signal.SIGBUS,
+    -signal.SIGABRT,
 )
+BUG = Failure("NameError", "/work/train.py:42 in main", "name 'x' is not defined")
+OTHER = Failure("NameError", "/work/train.py:57 in main", "name 'y' is not defined")
 
 
 @pytest.mark.parametrize(
@@ -109,3 +116,111 @@ def test_limits_and_stops_after_a_crash() -> None:
     assert (d.action, d.exit_code, d.reason) == (Action.STOP, 1, "stopped by SIGINT (CMD crashed)")
     d = policy(Verdict(Outcome.NOT_STARTED), History(), Limits(), returncode=None)
     assert (d.action, d.exit_code) == (Action.GIVE_UP, 1)
+
+
+@pytest.mark.parametrize(
+    "end, failure",
+    [
+        # the record the trainer's excepthook left: the failure, named
+        (End(1, failure=BUG), BUG),
+        # a death by a signal the process brought on itself: the signal is the failure
+        (End(SEGV), Failure("SIGSEGV")),
+        (End(BUS), Failure("SIGBUS")),
+        (End(ABRT), Failure("SIGABRT")),
+        # a SIGKILL comes from outside (the OOM killer, a user, a scheduler): no failure of
+        # the script's own
+        (End(KILL), None),
+        (End(INT), None),
+        (End(3), None),  # an exit code and no record: nothing to compare
+        (End(0, failure=BUG), None),  # finished after all
+        (End(75, failure=BUG), None),
+    ],
+)
+def test_classify_names_the_failure(end: End, failure: Failure | None) -> None:
+    assert classify(end).failure == failure
+
+
+@pytest.mark.parametrize(
+    "began, newest, progress",
+    [
+        (None, None, False),  # nothing to resume from
+        (None, 1, False),  # a fresh run's first step only: the snapshot every process takes
+        (None, 2, True),
+        (10, None, False),
+        (10, 9, False),
+        (10, 10, False),
+        (10, 11, False),  # a relaunch's first-step snapshot is not progress
+        (10, 12, True),
+        (10, 500, True),
+    ],
+)
+def test_progress_is_more_than_a_relaunchs_first_step(
+    began: int | None, newest: int | None, progress: bool
+) -> None:
+    assert advanced(began, newest) is progress
+
+
+def test_the_same_failure_is_given_up_on_whatever_the_progress() -> None:
+    """A bug: the same exception at the same line, four times in a row (the default
+    --max-retries 3: four launches in all), each attempt having trained on -- given up, with
+    the failure named, and the child's exit code."""
+    h, lim = History(), Limits(max_retries=3)
+    crash = Verdict(Outcome.CRASH, failure=BUG)
+    for n in range(1, 4):
+        d = policy(crash, h, lim, returncode=1, progressed=True)
+        assert (d.action, d.crash) == (Action.RETRY, 1), n
+    d = policy(crash, h, lim, returncode=1, progressed=True)
+    assert (d.action, d.exit_code) == (Action.GIVE_UP, 1)
+    assert "the same failure 4 times in a row" in d.reason
+    assert "NameError at /work/train.py:42 in main" in d.reason
+    assert "(--max-retries 3)" in d.reason
+
+
+def test_another_failure_or_a_stop_starts_the_count_again() -> None:
+    h, lim = History(), Limits(max_retries=2)
+    crash, other = Verdict(Outcome.CRASH, failure=BUG), Verdict(Outcome.CRASH, failure=OTHER)
+    for verdict in (crash, crash, other, other, crash, crash):
+        d = policy(verdict, h, lim, returncode=1, progressed=True)
+        assert d.action is Action.RETRY
+    policy(RESUMABLE, h, lim, returncode=75)
+    assert policy(crash, h, lim, returncode=1, progressed=True).action is Action.RETRY
+    assert policy(crash, h, lim, returncode=1, progressed=True).action is Action.RETRY
+    assert policy(crash, h, lim, returncode=1, progressed=True).action is Action.GIVE_UP
+    # an unnamed crash in between breaks the row too
+    h = History()
+    for verdict in (crash, crash, CRASH, crash, crash):
+        d = policy(verdict, h, lim, returncode=1, progressed=True)
+        assert d.action is Action.RETRY
+
+
+def test_the_same_failure_after_a_long_attempt_starts_the_count_again() -> None:
+    """A failure that comes back only after hours of training each time is not the bug that
+    kills every relaunch at once: --reset-after ends its run as it ends any run of crashes."""
+    h, lim = History(), Limits(max_retries=1, reset_after=60)
+    crash = Verdict(Outcome.CRASH, failure=BUG)
+    for _ in range(5):
+        d = policy(crash, h, lim, returncode=1, duration=61, progressed=True)
+        assert d.action is Action.RETRY
+
+
+def test_kills_from_outside_with_progress_are_never_given_up_on() -> None:
+    """Ten SIGKILLs in a row, each after progress: no failure of the script's own, never given
+    up. The same signal the process brought on itself (SIGSEGV) is a failure like a bug."""
+    h, lim = History(), Limits(max_retries=3)
+    for _ in range(10):
+        d = policy(classify(End(KILL)), h, lim, returncode=-9, progressed=True)
+        assert (d.action, d.backoff_s) == (Action.RETRY, 0.0)
+    h = History()
+    actions = [
+        policy(classify(End(SEGV)), h, lim, returncode=-11, progressed=True).action
+        for _ in range(4)
+    ]
+    assert actions == [Action.RETRY] * 3 + [Action.GIVE_UP]
+
+
+def test_crashes_without_progress_name_the_last_failure() -> None:
+    h, lim = History(), Limits(max_retries=1)
+    policy(Verdict(Outcome.CRASH, failure=BUG), h, lim, returncode=1)
+    d = policy(Verdict(Outcome.CRASH, failure=OTHER), h, lim, returncode=1)
+    assert d.action is Action.GIVE_UP
+    assert "2 crashes in a row without progress" in d.reason and "train.py:57" in d.reason

@@ -1,9 +1,10 @@
 """Recovery under ``unbroken run`` never waits for nothing and never gives up on a run that
 advances: real trainers, SIGKILLed from outside, with the supervisor's default options.
 
-A crash that left the run further than the previous one did (a newer durable checkpoint or a
-newer in-memory snapshot) is relaunched at once and starts a new count of crashes; only crashes
-in a row *without* progress are retried with a backoff and, past --max-retries, given up.
+A crash that left the run at least two steps further than where its attempt began (a newer
+durable checkpoint or a newer in-memory snapshot: one step is only the snapshot every process
+takes of its first) is relaunched at once and starts a new count of crashes; only crashes in a
+row *without* progress are retried with a backoff and, past --max-retries, given up.
 """
 
 from __future__ import annotations
@@ -21,16 +22,17 @@ import pytest
 from tests.golden import ROOT, assert_identical, launch, logged_steps, trainers
 
 SCRIPT = ROOT / "tests" / "scripts" / "toy_train.py"
-STEPS = 40
+STEPS = 50  # ten kills, three steps or more apart
 KILLS = 10  # the issue's acceptance: ten kills in a row, each after some progress
 
 
 def _kill_after_progress(sup: subprocess.Popen[bytes], run: Path, kills: int) -> list[int]:
-    """SIGKILL the trainer ``kills`` times, each once it logged two steps past the step the
-    previous one was killed at (so it resumed and saved something newer)."""
+    """SIGKILL the trainer ``kills`` times, each once it logged three steps past the step the
+    previous one was killed at: it resumed at most there, and saved two steps past it (a step
+    is committed before the next one is logged)."""
     reached: list[int] = []
     for _ in range(kills):
-        target = (reached[-1] if reached else 0) + 2
+        target = (reached[-1] if reached else 0) + 3
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and sup.poll() is None:
             steps = logged_steps(run)

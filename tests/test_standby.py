@@ -115,15 +115,16 @@ def _supervise(
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-DEPTHS = {"standby": [], "imports": ["--standby", "imports"], "no-standby": ["--no-standby"]}
+DEPTHS = {"standby": [], "deep": ["--standby", "deep"], "no-standby": ["--no-standby"]}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("depth", list(DEPTHS))
 def test_sigkill_at_drawn_moments_with_and_without_standby(tmp_path: Path, depth: str) -> None:
-    """``imports`` (``--standby imports``): the standby waits before the script, so what the
-    script does before ``Run()`` happens once per attempt (``--mark``), never in a standby
-    that was not promoted."""
+    """``standby``, the default (``--standby imports``): the standby waits before the script,
+    so what the script does before ``Run()`` happens once per attempt (``--mark``), never in a
+    standby that was not promoted. ``deep`` (``--standby deep``): it waits inside ``Run()``,
+    having run the script's set-up."""
     standby = depth != "no-standby"
     ref = tmp_path / "ref"
     assert launch(SCRIPT, [*ARGS, "--run-dir", str(ref)]) == 0
@@ -156,7 +157,7 @@ def test_sigkill_at_drawn_moments_with_and_without_standby(tmp_path: Path, depth
                 assert attempt_of(spare) == attempt_of(child) + 1  # type: ignore[operator]
                 if idle:
                     assert _policies(spare) == {os.SCHED_IDLE}, "set up on idle time only"
-                if depth == "imports":  # waiting, it has not run the script
+                if depth == "standby":  # waiting, it has not run the script
                     _lift(spare)
                     _until(lambda c=child: _standby(sup, c, waiting=True), "it waits", sup)
                     assert str(spare) not in marks.read_text().split(), "ran before its turn"
@@ -192,9 +193,11 @@ def test_sigkill_at_drawn_moments_with_and_without_standby(tmp_path: Path, depth
     else:
         assert not promoted and "--no-standby turns it off" not in text
     assert started[0] == held[0] and set(spares) <= set(started)
-    if depth == "imports":
+    if depth == "standby":
         assert "python with torch and unbroken imported" in text, text[-3000:]
         assert started == [held[0], *spares], "the script ran once per attempt"
+    if depth == "deep":
+        assert "warm standby: deep (--standby deep)" in text, text[-3000:]
     if depth == "no-standby":
         assert len(started) == len(attempts) == len(moments) + 1
 
@@ -264,14 +267,16 @@ def test_stop_while_waiting_and_supervisor_killed(tmp_path: Path) -> None:
 
 def test_standby_marker_and_when_it_is_off() -> None:
     """The marker is a pipe's fd (3 and up); 0 is the user's opt-out. Launchers and one rank of
-    several get no standby (a standby rank would join the job's rendezvous while it sets up)."""
+    several get no standby (a standby rank would join the job's rendezvous while it sets up);
+    nor, by default, a command the shallow standby cannot wait before (a shell script): only
+    ``--standby deep`` runs it early."""
     assert ProcessContext.read({"UNBROKEN_STANDBY": "7"}).standby_fd == 7
     for value in ("0", "2", "", "x", "-5"):
         assert ProcessContext.read({"UNBROKEN_STANDBY": value}).standby_fd is None
     args = type("A", (), {"no_standby": False, "standby": None})()
     plain = ["python", "train.py"]
     assert off_reason(args, plain, {}, True) is None
-    assert off_reason(args, plain, {}, False) == "no snapshot area"
+    assert str(off_reason(args, plain, {}, False)).startswith("no in-memory snapshots")
     assert off_reason(args, plain, {"UNBROKEN_STANDBY": "0"}, True) == "UNBROKEN_STANDBY=0"
     assert off_reason(args, ["torchrun", "--nproc_per_node", "2", "t.py"], {}, True)
     assert off_reason(args, ["python", "-m", "torch.distributed.run", "t.py"], {}, True)
@@ -279,11 +284,12 @@ def test_standby_marker_and_when_it_is_off() -> None:
     assert off_reason(args, plain, {"WORLD_SIZE": "1"}, True) is None
     assert off_reason(args, plain, {"UNBROKEN_STANDBY": "off"}, True) == "UNBROKEN_STANDBY=off"
     assert off_reason(args, plain, {"UNBROKEN_STANDBY": "imports"}, True) is None
+    assert depth(args, {}) == "imports"  # the default: the shallow standby
+    for deep in ("deep", "run"):  # (run: its old name)
+        assert depth(args, {"UNBROKEN_STANDBY": deep}) == "deep"
     shell = ["bash", "train.sh"]
-    assert off_reason(args, shell, {}, True) is None  # the default depth runs any command
-    assert "--standby imports" in str(
-        off_reason(args, shell, {"UNBROKEN_STANDBY": "imports"}, True)
-    )
+    assert "--standby deep" in str(off_reason(args, shell, {}, True))
+    assert off_reason(args, shell, {"UNBROKEN_STANDBY": "deep"}, True) is None  # runs any CMD
     args.standby = "off"
     assert off_reason(args, plain, {}, True) == "--standby off"
     args.standby = "imports"
@@ -439,7 +445,7 @@ def test_a_promoted_standby_is_kept_out_of_sched_idle_until_it_trains(tmp_path: 
     stops = tmp_path / "stops"
     stops.mkdir(mode=0o700)
     policy = tmp_path / "policy"
-    args = type("A", (), {"no_standby": False, "quiet": True, "standby": None})()
+    args = type("A", (), {"no_standby": False, "quiet": True, "standby": "deep"})()
     cmd = [sys.executable, "-c", _LEFT_IDLE, str(policy)]
     sb = Standby(args, cmd, str(stops), area, lambda _: None)
     assert sb.off is None, sb.off

@@ -286,6 +286,8 @@ def test_stop_during_backoff_ends_without_relaunch(tmp_path: Path) -> None:
     # enough on a loaded machine, with the supervisor importing the store in the background).
     assert proc.stderr is not None
     first = proc.stderr.readline()
+    while first and "attempt 1:" not in first:  # (what it said at start-up)
+        first = proc.stderr.readline()
     assert "retry 1/3 in 20s" in first, first
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import _lazy, _quick_exit
+from . import _lazy, _quick_exit, _stops
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -37,6 +37,7 @@ if _ProcessContext.read().supervised:
     # is a resumable exit 75, not a death by signal (docs/resume.md, "Signals").
     install_signal_handlers()
     _quick_exit.arm_on_uncaught()  # a crash's exit is on the path of the relaunch too
+    _stops.record_uncaught()  # what failed, for the supervisor: the same failure again is a bug
 
 if TYPE_CHECKING:
     from ._determinism import determinism_problems, make_deterministic

@@ -83,6 +83,19 @@ def announce(
     logging.StreamHandler(sys.stderr).handle(record)
 
 
+def say(logger: logging.Logger, msg: str, *args: Any) -> None:
+    """A decision of the run, said once by the process that makes it: on stderr whatever
+    logging's configuration (a script that logs to a file of its own at INFO must not hide
+    it), and to ``logger`` at DEBUG. The caller decides which rank says it."""
+    text = msg % args if args else msg
+    try:
+        sys.stderr.write(f"unbroken: {text}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # no stderr (closed): the log below still has it
+        pass
+    logger.debug(msg, *args, extra={"rank": this_rank(), "step": None, "path": None})
+
+
 def _quieted(logger: logging.Logger) -> bool:
     """A level set explicitly on ``logger`` or an ancestor below the root, above INFO."""
     node: Any = logger

@@ -29,8 +29,9 @@ variable                    set by                              read by
                             torchrun (its workers inherit no    worker opens (one byte each)
                             fd)
 ``UNBROKEN_STANDBY=0``      the user, for ``unbroken run``      the supervisor: no standby (as
-                                                                ``--no-standby``); ``imports``:
-                                                                ``--standby imports``
+                                                                ``--no-standby``); ``deep``:
+                                                                ``--standby deep``; ``imports``:
+                                                                the default
 ==========================  ==================================  ==================================
 
 Marker files: a rank that saved and stopped (or was stopped while not training) writes

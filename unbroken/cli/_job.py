@@ -21,11 +21,12 @@ from typing import Any
 from .. import _protocol, _stops, _tree
 
 
-def _follow(supervisor: int, idle: bool = False) -> Any:
+def _follow(supervisor: int, idle: bool = False, oom: int | None = None) -> Any:
     """A ``preexec_fn``: CMD gets SIGTERM when the supervisor dies (Linux ``PR_SET_PDEATHSIG``,
     kept across ``exec``), so a ``kill -9`` of ``unbroken run`` stops its trainer as a
     preemption would (save, exit 75) instead of leaving it training as an orphan that holds the
-    run's lock. The supervisor forks from its only thread, the one that lives as long as it."""
+    run's lock. The supervisor forks from its only thread, the one that lives as long as it.
+    ``idle``, ``oom``: a warm standby's ``SCHED_IDLE`` and ``oom_score_adj``."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -41,8 +42,39 @@ def _follow(supervisor: int, idle: bool = False) -> Any:
             # A warm standby: its set-up takes only CPU that training leaves (inherited by
             # the threads it starts; train/_standby.py puts every one back at its promotion).
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        if oom is not None:
+            set_oom_score(0, oom)
 
     return child
+
+
+OOM_STANDBY = 1000
+"""The warm standby's ``oom_score_adj``: when memory runs out, the kernel kills it before
+anything else of the job (the trainer keeps the supervisor's own score; raising one's own needs
+no privilege, and one may lower it back to where it was: the supervisor does, at the
+promotion)."""
+OOM_PERSISTER = 500
+"""The persister's (:mod:`._persister`): after the standby, before the trainer; the supervisor
+persists a snapshot itself when its persister is gone."""
+
+
+def oom_score(pid: int = 0) -> int | None:
+    """``pid``'s ``oom_score_adj`` (0: this process); None where there is none (not Linux)."""
+    try:
+        with open(f"/proc/{pid or 'self'}/oom_score_adj") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def set_oom_score(pid: int, value: int) -> bool:
+    """Set ``pid``'s ``oom_score_adj`` (0: this process); False where it could not be."""
+    try:
+        with open(f"/proc/{pid or 'self'}/oom_score_adj", "w") as f:
+            f.write(str(value))
+        return True
+    except OSError:
+        return False
 
 
 def stop_area() -> str:
@@ -64,14 +96,19 @@ class Launch:
         *,
         pass_fds: tuple[int, ...] = (),
         idle: bool = False,
+        oom: int | None = None,
     ) -> None:
-        """Start ``cmd`` as launch ``n`` (``pass_fds``, ``idle``: a warm standby's pipe, and
-        ``SCHED_IDLE`` until it is promoted; see :mod:`._standby`)."""
+        """Start ``cmd`` as launch ``n`` (``pass_fds``, ``idle``, ``oom``: a warm standby's
+        pipe, and its ``SCHED_IDLE`` and ``oom_score_adj`` until it is promoted; see
+        :mod:`._standby`)."""
         self.tag = _tree.new_tag()
         self.stop_dir = os.path.join(area, f"attempt-{n}")
+        # Anything there was left by a standby for this attempt that died before its promotion
+        # (its stop marker, its crash record): not this launch's to be judged by.
+        shutil.rmtree(self.stop_dir, ignore_errors=True)
         env = _protocol.launch_env(env, job_tag=self.tag, stop_dir=self.stop_dir)
         self.proc = subprocess.Popen(
-            cmd, env=env, pass_fds=pass_fds, preexec_fn=_follow(os.getpid(), idle)
+            cmd, env=env, pass_fds=pass_fds, preexec_fn=_follow(os.getpid(), idle, oom)
         )
         self.tree = _tree.Tree(self.proc.pid, self.tag)
         # Whether a stop signal was forwarded only to processes with no handler for it (ranks

@@ -18,6 +18,8 @@ import subprocess
 import sys
 from typing import IO
 
+from . import _job
+
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -25,6 +27,11 @@ LOCK_WAIT = 30.0
 """Seconds a persist waits for the run directory's lock held by another process: in a job over
 several nodes the supervisors of the surviving nodes persist their parts of one snapshot at
 once (each persist takes well under a second)."""
+
+
+def _expendable() -> None:
+    """In the persister, before ``exec``: a high ``oom_score_adj`` (no privilege needed)."""
+    _job.set_oom_score(0, _job.OOM_PERSISTER)
 
 
 class PersistFailed(Exception):
@@ -37,7 +44,9 @@ class Persister:
 
     def start(self) -> None:
         # This very package, whatever the cwd holds; its own session, so neither a terminal's
-        # Ctrl-C nor a job-wide signal interrupts a persist half-way.
+        # Ctrl-C nor a job-wide signal interrupts a persist half-way. When memory runs out the
+        # kernel kills it before the trainer (its ~330 MB are torch's; the supervisor persists
+        # a snapshot itself when it is gone).
         code = f"import sys; sys.path.insert(0, {_PACKAGE_PARENT!r}); "
         code += "from unbroken.cli._persister import main; main()"
         try:
@@ -47,6 +56,7 @@ class Persister:
                 stdout=subprocess.PIPE,
                 text=True,
                 start_new_session=True,
+                preexec_fn=_expendable,
             )
         except OSError:
             self.proc = None  # persist() imports in the supervisor then

@@ -1,16 +1,25 @@
-"""The supervisor's warm standby: the next attempt, started early and held inside ``Run()``.
+"""The supervisor's warm standby: the next attempt, started early, waiting to take over.
 
 A relaunch used to pay for a new process -- the interpreter, ``import torch, unbroken`` and the
-script's own set-up before ``Run()`` -- before it could restore the snapshot: ~2.5 s of a
-~3 s recovery. So once the trainer of attempt *n* has opened its ``Run`` (the command is an
-unbroken script, and the channel of the snapshot area says so), the supervisor starts attempt
-*n + 1* beside it: the same command, the environment attempt *n + 1* will have, and a pipe
-(:data:`unbroken._protocol.STANDBY`). Its first ``Run()`` waits on the pipe before it touches
-the run directory (:mod:`unbroken.train._standby`). When attempt *n* ends and the policy
-relaunches, the supervisor persists the snapshot as before, writes "go", and adopts the waiting
-process as attempt *n + 1*; nothing in its environment changes. The next standby starts once
-that one has trained (a snapshot committed since its ``Run`` opened): a process start during
-the first step after the restore would slow it.
+script's own set-up before ``Run()`` -- before it could restore the snapshot. So once the
+trainer of attempt *n* has opened its ``Run`` (the command is an unbroken script, and the
+channel of the snapshot area says so), the supervisor starts attempt *n + 1* beside it: the
+environment attempt *n + 1* will have, and a pipe (:data:`unbroken._protocol.STANDBY`). When
+attempt *n* ends and the policy relaunches, the supervisor persists the snapshot as before,
+writes "go", and adopts the waiting process as attempt *n + 1*; nothing in its environment
+changes. The next standby starts once that one has trained (a snapshot committed since its
+``Run`` opened): a process start during the first step after the restore would slow it.
+
+How far it gets before it waits (``--standby``):
+
+- ``imports``, the default (:mod:`._warm`): ``python [OPTIONS] SCRIPT ARGS`` rewritten so that
+  the interpreter imports torch and unbroken, waits, and runs the script only when promoted.
+  Nothing of the user's script runs anywhere but in the one process that trains.
+- ``deep`` (``run``, its old name): the command itself, whose first ``Run()`` waits
+  (:mod:`unbroken.train._standby`): the script's own set-up is saved too, but it runs beside
+  the live trainer -- its side effects twice, its memory twice. It refuses (exits, leaving
+  :data:`unbroken._stops.REFUSED`) when the script initialised CUDA before ``Run()``, and the
+  supervisor keeps a shallow standby instead.
 
 ``torchrun --standalone`` gets a standby torchrun whose workers wait before the script
 (:func:`._warm.torchrun_command`; the imports depth whatever ``--standby`` says, short of off):
@@ -20,9 +29,12 @@ FIFO in the stop area, held open by the supervisor from before the standby start
 launch it became has ended; at the promotion it gets :data:`GO` bytes, one per worker.
 
 Off (the supervisor launches afresh, as without a standby) with ``--no-standby`` or
-``UNBROKEN_STANDBY=0``, without a snapshot area, and for other launchers and multi-rank jobs (a
-standby rank would join the job's rendezvous while it sets up; docs/design.md). A standby that
-died on its own is noticed at the promotion and replaced by a fresh launch; at the end of
+``UNBROKEN_STANDBY=0``, without a snapshot area, for a command the default depth cannot
+rewrite, and for other launchers and multi-rank jobs (a standby rank would join the job's
+rendezvous while it sets up; docs/design.md); :meth:`Standby.startup` says which and why. A
+standby runs with a high ``oom_score_adj`` (the kernel kills it first when memory runs out) and
+under ``SCHED_IDLE`` where that can be undone; both are put back at its promotion. One that died
+on its own is noticed at the promotion and replaced by a fresh launch; at the end of
 supervision it is killed with its whole tree (it never touched the run directory).
 """
 
@@ -35,7 +47,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from .. import _protocol, _shm, _tree
+from .. import _protocol, _shm, _stops, _tree
 from . import _job, _warm
 
 LAUNCHERS = frozenset(
@@ -44,68 +56,93 @@ LAUNCHERS = frozenset(
 RANK_COUNTS = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 UNSNAPPED = 10.0
 """Seconds after a ``Run`` opened when its standby starts though no snapshot came."""
-NOTE = (
-    "a warm standby (a second process of CMD, waiting inside Run() to take over when this one "
-    "dies) is starting: what the script does before Run() -- its output, downloads -- happens "
-    "in it too; --standby imports waits before the script instead, --no-standby turns it off"
-)
-NOTE_TORCHRUN = (
-    "a warm standby (a second torchrun of CMD, its workers waiting with torch and unbroken "
-    "imported to run the script when this job dies) is starting; --no-standby turns it off"
-)
 GO = 4096
 """Bytes written to a standby torchrun's FIFO at its promotion: one per worker that reads it
 (more than a node has workers; within ``PIPE_BUF``, so written at once)."""
-NOTE_IMPORTS = (
-    "a warm standby (python with torch and unbroken imported, waiting to run CMD's script when "
-    "this one dies) is starting; --no-standby turns it off"
+
+IMPORTS, DEEP, OFF = "imports", "deep", "off"
+"""How deep a standby gets before it waits: only through ``import torch, unbroken``, before the
+script (the default, :mod:`._warm`), or into the script's first ``Run()``."""
+DEPTHS = (IMPORTS, DEEP, "run", OFF)
+"""``--standby``'s choices; ``run`` is the deep one's old name."""
+_NAMES = {"0": OFF, OFF: OFF, IMPORTS: IMPORTS, DEEP: DEEP, "run": DEEP}
+
+SHALLOW_TEXT = (
+    "a python with torch and unbroken imported waits beside the trainer and runs the script "
+    "only when it takes over: nothing of the script runs before that, so what it does before "
+    "Run() happens once per attempt; --standby deep also runs the script's set-up early (its "
+    "hazards: docs/supervise.md), --no-standby turns it off"
+)
+DEEP_TEXT = (
+    "a second process of CMD runs the script up to its first Run() while the trainer trains, "
+    "and waits there: what the script does before Run() happens twice, beside the live trainer "
+    "-- its output, the files it writes or opens for writing (a log opened with mode 'w' is "
+    "truncated under the trainer; a data file the trainer memory-maps, downloaded again, kills "
+    "it with SIGBUS), and the memory it holds, twice (a model moved to the GPU: a second CUDA "
+    "context -- if the script initialised CUDA before Run(), the standby refuses and a shallow "
+    "one is kept instead); --no-standby turns it off"
+)
+TORCHRUN_TEXT = (
+    "a second torchrun of CMD, whose workers wait with torch and unbroken imported and run the "
+    "script only when they take over: nothing of the script runs before that; --no-standby "
+    "turns it off"
+)
+NOT_PYTHON = (
+    "CMD is not `python SCRIPT ...` or `python -m MODULE ...` (a shell script, `python -c`, a "
+    "wrapper), so no standby can wait before its script; --standby deep would run the script's "
+    "set-up beside the trainer instead (docs/supervise.md)"
 )
 
 
-RUN, IMPORTS = "run", "imports"
-"""How deep a standby gets before it waits: into the script's first ``Run()`` (the default), or
-only through ``import torch, unbroken``, before the script (:mod:`._warm`)."""
-DEPTHS = (RUN, IMPORTS, "off")
+def _chosen(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[str, str]:
+    """(the depth asked for, who asked: an option, the variable, or the default)."""
+    if getattr(args, "no_standby", False):
+        return OFF, "--no-standby"
+    chosen = getattr(args, "standby", None)
+    if chosen:
+        return _NAMES.get(str(chosen), IMPORTS), f"--standby {chosen}"
+    value = env.get(_protocol.STANDBY, "")
+    if value in _NAMES:
+        return _NAMES[value], f"{_protocol.STANDBY}={value}"
+    return IMPORTS, "the default"
 
 
 def depth(args: argparse.Namespace, env: Mapping[str, str]) -> str:
-    """``--standby`` (``--no-standby``: off), else ``UNBROKEN_STANDBY`` (0: off), else run."""
-    if getattr(args, "no_standby", False):
-        return "off"
-    chosen = getattr(args, "standby", None)
-    if chosen:
-        return str(chosen)
-    value = env.get(_protocol.STANDBY, "")
-    return {"0": "off", "off": "off", IMPORTS: IMPORTS}.get(value, RUN)
+    """``--standby`` (``--no-standby``: off), else ``UNBROKEN_STANDBY`` (0: off), else imports."""
+    return _chosen(args, env)[0]
 
 
 def off_reason(
     args: argparse.Namespace, cmd: list[str], env: Mapping[str, str], snapshots: bool
 ) -> str | None:
     """Why a job gets no standby, from the options, command and environment (None: it does)."""
-    if getattr(args, "no_standby", False):
-        return "--no-standby"
-    if depth(args, env) == "off":
-        if getattr(args, "standby", None):
-            return "--standby off"
-        return f"{_protocol.STANDBY}={env.get(_protocol.STANDBY, '')}"
+    chosen, who = _chosen(args, env)
+    if chosen == OFF:
+        return who
     if not snapshots:
-        return "no snapshot area"  # the standby would resume from an older durable checkpoint
+        # The standby would resume from an older durable checkpoint.
+        return "no in-memory snapshots (a standby would resume from an older durable checkpoint)"
     if _warm.torchrun_command(cmd, env) is not None:
-        if getattr(args, "standby", None) == RUN or env.get(_protocol.STANDBY) == RUN:
-            return "--standby run cannot wait inside torchrun's ranks: use --standby imports"
+        if chosen == DEEP:
+            return (
+                f"{who} cannot wait inside torchrun's ranks (each would hold a second copy of "
+                "the model on the job's GPUs); the default waits before the script"
+            )
         return None  # a standby torchrun, its workers at the imports depth
     words = [os.path.basename(w) for w in cmd[:3]]
     if LAUNCHERS & set(words) or {"torch.distributed.run", "torch.distributed.launch"} & set(cmd):
         if {"torchrun", "torch.distributed.run"} & {*words, *cmd}:
-            return "CMD is torchrun without --standalone, or with options this cannot rewrite"
-        return "CMD is a launcher"
+            return (
+                "CMD is torchrun without --standalone (a shared rendezvous, which a standby "
+                "agent would join as a node) or with options this cannot rewrite"
+            )
+        return "CMD is a launcher: a standby rank would join the job's rendezvous"
     for name in RANK_COUNTS:
         value = env.get(name, "")
         if value.isdigit() and int(value) > 1:
             return f"{name}={value}: one rank of several"
-    if depth(args, env) == IMPORTS and _warm.command(cmd) is None:
-        return "--standby imports needs CMD to be `python SCRIPT ...` or `python -m MODULE ...`"
+    if chosen == IMPORTS and _warm.command(cmd) is None:
+        return NOT_PYTHON
     return None
 
 
@@ -159,7 +196,7 @@ class Standby:
         self.cmd, self.stops, self.area = cmd, stops, area
         self.say = (lambda _: None) if args.quiet else say
         self.off = off_reason(args, cmd, os.environ, area is not None)
-        self.depth = depth(args, os.environ)
+        self.depth, self.who = _chosen(args, os.environ)
         # What the standby runs: CMD itself, or CMD rewritten to wait before its script.
         self.torchrun = _warm.torchrun_command(cmd, os.environ)
         if self.torchrun is not None:
@@ -174,8 +211,20 @@ class Standby:
         self.held: tuple[int, str] | None = None
         self.attempt = 0  # the attempt the spare is for
         self.idle: bool | None = None  # SCHED_IDLE while it sets up (probed once)
-        self.lifting: _job.Launch | None = None  # promoted from SCHED_IDLE, not yet trained
-        self.told = False
+        # Its oom_score_adj while it waits: above the supervisor's own (the trainer's), which
+        # it gets back at the promotion.
+        self.oom = _job.oom_score()
+        self.lifting: _job.Launch | None = None  # promoted, not yet trained: put back
+
+    def startup(self) -> str:
+        """What the supervisor says at start-up: which standby, or why none."""
+        if self.off is not None:
+            return f"no warm standby: {self.off}"
+        if self.torchrun is not None:
+            return f"warm standby: {TORCHRUN_TEXT}"
+        if self.depth == IMPORTS:
+            return f"warm standby: shallow ({self.who}) -- {SHALLOW_TEXT}"
+        return f"warm standby: deep ({self.who}) -- {DEEP_TEXT}"
 
     def mark(self) -> int:
         """The channel's modification time now (-1: none), taken before an attempt starts:
@@ -196,7 +245,9 @@ class Standby:
         ``n + 1`` once the launch opened its ``Run`` (moved the channel past :meth:`mark`),
         unless the supervisor is ``stopping`` (nothing will be relaunched)."""
         proc = launch.proc
-        while self.spare is None and self.off is None:
+        while self.off is None and (
+            self.spare is None or self.lifting is launch or self.depth == DEEP
+        ):
             try:
                 return proc.wait(timeout=0.1)
             except subprocess.TimeoutExpired:
@@ -207,15 +258,59 @@ class Standby:
                 # process forked while it read the process table (or a thread started
                 # meanwhile), and one left importing torch on idle time takes minutes on a
                 # busy machine while the job's other ranks wait for it (seen on CI).
-                _normal_priority(launch.tree.members())
+                self._put_back(launch)
                 if opened:
                     self.lifting = None
-            if not stopping() and opened:
+            if self.spare is not None:
+                self._refused()
+            elif not stopping() and opened:
                 if self.torchrun is None and _several_ranks(launch):
                     self.off = "the job runs several ranks"
+                    self.say(f"no warm standby from here on: {self.off}")
                 else:
                     self._start(n + 1)
         return proc.wait()
+
+    def _put_back(self, launch: _job.Launch) -> None:
+        """A promoted standby's processes back to the trainer's priority and OOM score."""
+        members = launch.tree.members()
+        if self.idle:
+            _normal_priority(members)
+        if self.oom is not None:
+            for pid in members:
+                if _job.oom_score(pid) not in (None, self.oom):
+                    _job.set_oom_score(pid, self.oom)
+
+    def _refused(self) -> None:
+        """A deep standby that exited at its wait point because the script had initialised
+        CUDA (train/_standby.py): keep a shallow one instead, at once."""
+        spare = self.spare
+        if spare is None or self.depth != DEEP or spare.proc.poll() is None:
+            return
+        why = _stops.refusal(spare.stop_dir)
+        if why is None:
+            return  # died otherwise: replaced by a fresh launch at the promotion
+        pipe, fifo = self.pipe, self.fifo
+        self.spare = self.pipe = self.fifo = None
+        if pipe is not None:
+            _end(spare, pipe, fifo)  # (whatever it started goes with it)
+        self._fall_back(why)
+        if self.off is None:
+            self._start(self.attempt)
+
+    def _fall_back(self, why: str) -> None:
+        self.depth = IMPORTS
+        shallow = _warm.command(self.cmd)
+        if shallow is None:
+            self.off = f"the deep standby refused ({why}), and {NOT_PYTHON}"
+            self.say(f"no warm standby from here on: {self.off}")
+            return
+        self.argv = shallow
+        self.say(
+            f"the deep standby refused: {why}; a shallow standby instead (a python with torch "
+            "and unbroken imported, waiting before the script: nothing of it runs before its "
+            "turn)"
+        )
 
     def _run_opened(self, mark: int) -> bool:
         """The launch opened its ``Run`` (it wrote the channel: newer than ``mark``) and then
@@ -257,8 +352,11 @@ class Standby:
         except OSError as e:
             self.off = f"could not start one: {e}"
             return
+        oom = _job.OOM_STANDBY if self.oom is not None and self.oom < _job.OOM_STANDBY else None
         try:
-            spare = _job.Launch(self.argv, env, self.stops, n, pass_fds=fds, idle=self.idle)
+            spare = _job.Launch(
+                self.argv, env, self.stops, n, pass_fds=fds, idle=self.idle, oom=oom
+            )
         except OSError as e:
             _close(w, fifo)
             self.off = f"could not start one: {e}"
@@ -267,10 +365,6 @@ class Standby:
             if r >= 0:
                 os.close(r)
         self.spare, self.pipe, self.fifo, self.attempt = spare, w, fifo, n
-        if not self.told:
-            self.told = True
-            note = NOTE_TORCHRUN if self.torchrun else NOTE_IMPORTS
-            self.say(note if self.depth == IMPORTS else NOTE)
 
     def take(self, n: int) -> tuple[_job.Launch | None, str]:
         """Promote the spare to attempt ``n`` (after the snapshot was persisted): the launch,
@@ -282,9 +376,8 @@ class Standby:
             return None, ""
         code = spare.proc.poll()
         if self.attempt == n and code is None:
-            if self.idle:
-                _normal_priority(spare.tree.members())  # it may still be setting up
-                self.lifting = spare  # and again until it trained (wait)
+            self._put_back(spare)  # it may still be setting up
+            self.lifting = spare  # and again until it trained (wait)
             try:
                 os.write(pipe, b"g" * (GO if fifo else 1))
             except OSError:
@@ -298,6 +391,10 @@ class Standby:
         _end(spare, pipe, fifo)
         if code is None:
             return None, ""
+        why = _stops.refusal(spare.stop_dir) if self.depth == DEEP else None
+        if why is not None:
+            self._fall_back(why)
+            return None, "the deep standby had refused: launched afresh"
         return None, f"the warm standby had exited ({_code(code)}): launched afresh"
 
     def close(self) -> None:

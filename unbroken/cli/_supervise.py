@@ -32,7 +32,10 @@ DESCRIPTION = f"""Run CMD and keep it running until it finishes.
   anything else     a crash (non-zero exit or killed by a signal): relaunch after a
                     backoff (--backoff, doubling up to --max-backoff), at most
                     --max-retries times in a row; a crash run resets when an attempt
-                    exits 75 or ran longer than --reset-after seconds
+                    exits 75, made progress (two steps or more) or ran longer than
+                    --reset-after seconds -- but the same failure (the same exception at
+                    the same line, or the same fault signal) more than --max-retries times
+                    in a row is a bug: given up on, and named, whatever the progress
 
 Every relaunch counts toward --max-restarts. SIGTERM, SIGINT, SIGUSR1 and SIGHUP are
 forwarded to CMD and every process under it that handles them -- under torchrun to every
@@ -46,11 +49,12 @@ CMD's exit code (torchrun exits 1); each rank says so in {_protocol.STOP_DIR}. P
 leaves running (the ranks of a killed torchrun, still saving) are waited for, up to --grace
 seconds, before anything is relaunched.
 
-Warm standby (with snapshots; not for launchers or one rank of several): once CMD opened its
-Run, a second CMD starts and waits inside its first Run(); it takes over when CMD dies, its
-imports and set-up done. Its pre-Run() output and side effects happen twice. --standby
-imports: it waits before the script instead, with torch and unbroken imported. --no-standby:
-off.
+Warm standby (with snapshots; for `python SCRIPT`, `python -m MODULE` and `torchrun
+--standalone`): once CMD opened its Run, a python with torch and unbroken imported starts
+beside it and waits, before the script; it runs the script when CMD dies, without a process
+start. Nothing of the script runs outside the process that trains. --standby deep: a second
+CMD that runs the script up to its first Run() and waits there (its set-up saved too, but its
+side effects happen twice, beside the trainer); --no-standby: off. Said at start-up.
 
 SLURM (SLURM_JOB_ID set, --no-requeue not given): the job requeued is
 ${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}} for array jobs, else SLURM_JOB_ID; if
@@ -205,8 +209,8 @@ class Supervisor:
             a.max_restarts, a.max_retries, a.backoff, a.max_backoff, a.reset_after
         )
         history = _policy.History()
-        mark: int | None = None  # the newest step the run could resume from at the last crash
         while True:
+            began = self._newest_step(None)  # where the attempt resumes from (None: unknown)
             att, end = self._attempt()
             if end.returncode is None:
                 return EXIT_FAILURE, att.note
@@ -217,9 +221,9 @@ class Supervisor:
             if verdict.died:
                 step, note = self._persist_snapshot()
                 notes.append(note)
-                newest = self._newest_step(step)
-                progressed = newest is not None and (mark is None or newest > mark)
-                mark = newest if newest is not None else mark
+                progressed = _policy.advanced(began, self._newest_step(step))
+            if verdict.failure is not None:
+                notes.append(str(verdict.failure))
             att.note = "; ".join(filter(None, notes))
             decision = self._decide(verdict, history, limits, att, progressed, job)
             if decision.action is _policy.Action.REQUEUE:
@@ -306,7 +310,9 @@ class Supervisor:
         att = Attempt(n, wall0, round(dur, 3), None if sig else rc, sig, "crash", "", note=note)
         att.signals = self.received  # the same list: later (between-attempt) ones land too
         self.attempts.append(att)
-        end = _policy.End(rc, stopped, bool(launch.unhandled), self.forwarded)
+        end = _policy.End(
+            rc, stopped, bool(launch.unhandled), self.forwarded, _failure(launch.stop_dir)
+        )
         return att, end
 
     def _persist_snapshot(self) -> tuple[int | None, str]:
@@ -353,6 +359,17 @@ class Supervisor:
         return False
 
 
+def _failure(stop_dir: str) -> _policy.Failure | None:
+    """The uncaught exception the launch's processes recorded (:func:`_stops.failure`)."""
+    crash = _stops.failure(stop_dir)
+    if crash is None:
+        return None
+    where = f"{crash.get('file', '?')}:{crash.get('line', '?')}"
+    if crash.get("function"):
+        where += f" in {crash['function']}"
+    return _policy.Failure(str(crash.get("type", "?")), where, str(crash.get("message", "")))
+
+
 def _snapshot_area(args: argparse.Namespace) -> _shm.SupervisorArea | None:
     """This supervisor's private snapshot area (unbroken/_shm.py); None when snapshots are off
     -- asked for, or refused (say, another user owns /dev/shm/unbroken-<uid>): said once."""
@@ -379,6 +396,28 @@ def _requeue(job: str) -> tuple[bool, str]:
 
 def _say(msg: str) -> None:
     print(f"{TAG} {msg}", file=sys.stderr, flush=True)
+
+
+SNAPSHOTS_ON = (
+    "in-memory snapshots: on -- the trainer takes one every step when that costs <= 2% of its "
+    "step time, else as often as keeps them there (Run's snapshot_every), and says which; a "
+    "crash (kill -9, OOM, segfault) redoes at most the steps since the last one"
+)
+SNAPSHOTS_OFF = (
+    "in-memory snapshots: off (--no-snapshots) -- a crash loses the steps since the last "
+    "durable save"
+)
+
+
+def startup(args: argparse.Namespace, sup: Supervisor) -> list[str]:
+    """The supervisor's decisions, said once before the first launch (not with --quiet)."""
+    lines = []
+    if args.no_snapshots:
+        lines.append(SNAPSHOTS_OFF)
+    elif sup.shm is not None:
+        lines.append(SNAPSHOTS_ON)  # (refused: said when the area was)
+    lines.append(sup.standby.startup())
+    return lines
 
 
 def register(subparsers: Any) -> None:
@@ -408,11 +447,13 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--standby",
         choices=_standby.DEPTHS,
-        help="the warm standby, a second process of CMD that takes over when the trainer dies "
-        "with no process start on the way: 'run' (the default) waits inside the script's first "
-        "Run(), its set-up done; 'imports' waits before the script with torch and unbroken "
-        "imported (the script's pre-Run() side effects happen once; CMD must be python SCRIPT "
-        "or python -m MODULE); 'off'. See docs/supervise.md",
+        help="the warm standby, a process that takes over when the trainer dies with no process "
+        "start on the way: 'imports' (the default) waits before the script with torch and "
+        "unbroken imported, and nothing of the script runs before its turn (CMD must be python "
+        "SCRIPT or python -m MODULE); 'deep' (formerly 'run') runs CMD up to the script's first "
+        "Run() and waits there, its set-up done -- but what the script does before Run() "
+        "happens twice, beside the trainer (files, downloads, memory, GPU memory); 'off'. See "
+        "docs/supervise.md",
     )
     p.add_argument("--no-standby", action="store_true", help="the same as --standby off")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
@@ -434,6 +475,9 @@ def run(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
     sup = Supervisor(args, cmd)
+    if not args.quiet:
+        for line in startup(args, sup):
+            _say(line)
     try:
         sup.tty = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
     except OSError:

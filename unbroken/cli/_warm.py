@@ -1,17 +1,26 @@
-"""The shallow warm standby (``unbroken run --standby imports``): a Python interpreter that has
-imported torch and unbroken, waiting to run the script.
+"""The shallow warm standby, ``unbroken run``'s default: a Python interpreter that has imported
+torch and unbroken, waiting to run the script.
 
-The default standby (:mod:`._standby`) runs the script itself up to its first ``Run()``, so what
-the script does before ``Run()`` -- prints, downloads, any side effect -- happens once more per
-standby. Where that is not acceptable, this one waits *before* the script: the same command,
-rewritten from ``python [OPTIONS] SCRIPT ARGS`` (or ``python -m MODULE ARGS``) into ``python
-[OPTIONS] -c BOOT -- SCRIPT ARGS``, where ``BOOT`` puts on ``sys.path`` what Python would have put
-there for the script, imports torch, ``torch._dynamo`` (the first ``torch.optim`` optimizer
-imports it: ~1.5 s of a typical script's set-up) and unbroken, waits on the standby's pipe
-(:func:`unbroken.train._standby.wait_for_turn`, the same wait and the same signals as the
-default standby), then runs the script with :mod:`runpy` as ``__main__``. Its environment is
-the next attempt's from the start, as for the default standby; only the imports are saved,
-not the script's own set-up.
+The deep standby (``--standby deep``, :mod:`._standby`) runs the script itself up to its first
+``Run()``, so what the script does before ``Run()`` -- prints, downloads, log files, any side
+effect, the memory it holds -- happens once more per standby, beside the live trainer. This one
+waits *before* the script, so nothing of the script runs anywhere but in the process that
+trains: the same command, rewritten from ``python [OPTIONS] SCRIPT ARGS`` (or ``python -m MODULE
+ARGS``) into ``python [OPTIONS] -c BOOT -- SCRIPT ARGS``, where ``BOOT`` puts on ``sys.path``
+what Python would have put there for the script, imports torch, ``torch._dynamo`` (the first
+``torch.optim`` optimizer imports it: ~1.5 s of a typical script's set-up) and unbroken, waits
+on the standby's pipe (:func:`unbroken.train._standby.wait_for_turn`, the same wait and the same
+signals as the deep standby), then runs the script with :mod:`runpy` as ``__main__``. Its
+environment is the next attempt's from the start, as for the deep standby; only the imports are
+saved, not the script's own set-up.
+
+What a script sets in ``os.environ`` for torch *before* its ``import torch`` came too late for
+the torch this interpreter imported: :class:`TorchEnvironment` compares the variables torch (and
+its OpenMP and MKL runtimes) read when they load with what they were at that import, when the
+script imports torch (or, failing that, at its first ``Run()``). A thread count
+(``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``) is applied as torch would have applied it
+(``torch.set_num_threads``: the same count, so the same arithmetic as a fresh process); any
+other is said on stderr, with what to do instead.
 
 A command this cannot rewrite (a shell script, ``python -c``, a wrapper, an interpreter option
 it does not know) gets no standby: :func:`command` returns None and the supervisor says why.
@@ -32,9 +41,19 @@ import re
 import shutil
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 PRELOAD = ("torch", "torch._dynamo", "unbroken")
 """What the waiting interpreter imports; each is tried, one that fails is left to the script."""
+
+THREADS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+"""Read by torch when it loads, in this order (the second wins): applied after the fact."""
+READ_AT_LOAD = ("OMP_", "KMP_", "GOMP_", "MKL_", "TORCHDYNAMO_", "TORCHINDUCTOR_")
+"""Prefixes of variables that torch, its OpenMP and MKL runtimes or the modules preloaded read
+when they load (``torch._dynamo`` imports ``torch._inductor.config``)."""
+READ_AT_LOAD_NAMES = frozenset(
+    {"TORCH_LOGS", "TORCH_LOGS_FORMAT", "TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES"}
+)
 
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?$")
 _BARE_FLAGS = frozenset("bBdEIOPqsSuvR")  # options of CPython 3.11 that take no value
@@ -166,6 +185,86 @@ def _shebang(path: str) -> str | None:
     return None
 
 
+def _read_at_load(name: str) -> bool:
+    return name in READ_AT_LOAD_NAMES or name.startswith(READ_AT_LOAD)
+
+
+def _thread_count(env: Mapping[str, str]) -> int:
+    """The thread count torch takes from ``env`` when it loads (0: none given)."""
+    count = 0
+    for name in THREADS:
+        value = env.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            count = int(value)
+    return count
+
+
+class TorchEnvironment:
+    """The variables torch read when this interpreter imported it, before the script ran (as
+    they are after that import); :meth:`check` catches up with what the script set before its
+    own ``import torch``."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.seen = {k: v for k, v in env.items() if _read_at_load(k)}
+        self.checked = False
+
+    def check(self) -> None:
+        """Apply (a thread count) or say (anything else) what changed since; once."""
+        if self.checked:
+            return
+        self.checked = True
+        now = {k: v for k, v in os.environ.items() if _read_at_load(k)}
+        changed = sorted(k for k in self.seen.keys() | now.keys() if self.seen.get(k) != now.get(k))
+        late = [k for k in changed if k not in THREADS]
+        if any(k in THREADS for k in changed):
+            count = _thread_count(now)
+            if count:
+                import torch
+
+                torch.set_num_threads(count)
+            else:
+                late += [k for k in changed if k in THREADS]
+        if late:
+            what = ", ".join(f"{k}={now[k]}" if k in now else f"{k} (unset)" for k in late)
+            sys.stderr.write(
+                f"unbroken: the script set {what} before importing torch, but it runs in the warm "
+                "standby, which imported torch before the script (unbroken run's default): torch "
+                "read the environment then, so this has no effect here. Set it in the environment "
+                "of `unbroken run` instead, or run with --no-standby.\n"
+            )
+            sys.stderr.flush()
+
+
+def _watch_torch_import(env: TorchEnvironment) -> None:
+    """Call ``env.check`` when the script first imports torch -- the moment a fresh process's
+    torch would have read the environment -- or else at its first ``Run()``. An ``import`` of a
+    module already loaded looks nothing up, so the look-out is ``builtins.__import__``, which
+    every ``import`` statement calls (until then only)."""
+    import builtins
+
+    from ..train import _standby
+
+    original = builtins.__import__
+
+    def restore() -> None:
+        if builtins.__import__ is hook:
+            builtins.__import__ = original
+
+    def hook(name: str, *args: Any, **kwargs: Any) -> Any:
+        level = args[3] if len(args) > 3 else kwargs.get("level", 0)
+        if level == 0 and (name == "torch" or name.startswith("torch.")):
+            restore()
+            env.check()
+        return original(name, *args, **kwargs)
+
+    def first_run() -> None:
+        restore()
+        env.check()
+
+    builtins.__import__ = hook
+    _standby.at_first_run = first_run
+
+
 def main() -> None:
     """In the waiting interpreter (see :data:`BOOT`): import, wait for the promotion, run."""
     import importlib
@@ -179,9 +278,13 @@ def main() -> None:
             importlib.import_module(name)
         except Exception as e:  # the script imports what it needs; it will say what fails
             log.debug("unbroken: the standby could not preload %s: %s", name, e)
+    # What torch read, and what its import set itself (TORCHINDUCTOR_CACHE_DIR): the baseline
+    # for what the script sets.
+    env = TorchEnvironment(os.environ)
     from ..train._standby import wait_for_turn
 
     wait_for_turn()  # returns once promoted; exits 75 when told to go away
+    _watch_torch_import(env)
     if how == "-m":
         sys.argv = [target, *args]  # run_module puts the module's file in argv[0]
         runpy.run_module(target, run_name="__main__", alter_sys=True)

@@ -36,6 +36,16 @@ def interval_for(cost_s: float, step_s: float) -> int:
     return math.ceil(cost_s / (BUDGET * max(step_s, 1e-6)))
 
 
+def say_nodes(nodes: int) -> None:
+    """Said at start-up by each node's first rank (a decision, on stderr)."""
+    _log.say(
+        log,
+        "in-memory snapshots across %d nodes: each node keeps its ranks' part and a copy of the "
+        "previous node's (at most one lost node loses at most one step)",
+        nodes,
+    )
+
+
 class Snapshots:
     def __init__(self, root: str | None, every: int | None, *, rank: int, run_dir: str) -> None:
         self.rank, self.run_dir = rank, run_dir
@@ -75,12 +85,7 @@ class Snapshots:
         # host memory (the snapshot's files).
         self.area.across_nodes(layout, _dist.new_cpu_group())
         if layout.leader:
-            log.info(
-                "unbroken: in-memory snapshots across %d nodes: each node keeps its ranks' part "
-                "and a copy of the previous node's (at most one lost node loses at most one "
-                "step)",
-                layout.nodes,
-            )
+            say_nodes(layout.nodes)
 
     @property
     def active(self) -> bool:
@@ -109,6 +114,8 @@ class Snapshots:
         self.taken += 1
         if self.interval is None:
             self.interval = self._choose_interval(step_seconds or 0.0)
+        elif self.taken == 1 and self.rank == 0:
+            _log.say(log, "in-memory snapshot every %d step(s) (snapshot_every)", self.interval)
         return time.perf_counter() - t0
 
     def _fits(self, payload: Any) -> bool:
@@ -131,8 +138,10 @@ class Snapshots:
         cost = self.seconds or 0.0
         every = _dist.broadcast_object(interval_for(cost, step_s))
         if self.rank == 0:
-            log.info(
-                "unbroken: in-memory snapshot every %d step(s) (one takes %.1f ms, a step %.1f ms)",
+            _log.say(
+                log,
+                "in-memory snapshot every %d step(s): one takes %.1f ms, a step %.1f ms (at most "
+                "2%% of the step time; snapshot_every in Run to choose)",
                 every,
                 cost * 1e3,
                 step_s * 1e3,

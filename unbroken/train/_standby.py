@@ -1,13 +1,19 @@
 """The warm standby's side of ``Run()`` (docs/supervise.md, "Warm standby").
 
-``unbroken run`` starts a second process of the same command beside the trainer, with the next
-attempt's environment plus :data:`unbroken._protocol.STANDBY`: the read end of a pipe. That
-process runs the script as usual -- imports, data, model -- and its first ``Run()`` waits here,
-*before* it locks the run directory or reads a checkpoint, so it touches nothing the trainer
-owns. When the trainer dies the supervisor persists its newest snapshot, writes one byte and
-adopts the process as the next attempt: ``Run()`` goes on and resumes, with the imports and the
-script's set-up already done. EOF on the pipe means the supervisor is gone (it never closes the
-pipe otherwise before killing the standby): exit 75 and touch nothing.
+``unbroken run`` starts a second process beside the trainer, with the next attempt's
+environment plus :data:`unbroken._protocol.STANDBY`: the read end of a pipe. By default it is a
+Python interpreter that waits here *before* the user's script (``cli/_warm.py``); with
+``--standby deep`` it is the same command, which runs the script as usual -- imports, data,
+model -- and whose first ``Run()`` waits here, *before* it locks the run directory or reads a
+checkpoint, so it touches nothing the trainer owns. When the trainer dies the supervisor
+persists its newest snapshot, writes one byte and adopts the process as the next attempt: it
+goes on and resumes. EOF on the pipe means the supervisor is gone (it never closes the pipe
+otherwise before killing the standby): exit 75 and touch nothing.
+
+A deep standby whose script initialised CUDA before ``Run()`` does not wait: it would hold a
+second CUDA context (and whatever the script put on the GPU) beside the trainer's for as long
+as it waits. It leaves its reason in its stop directory (:func:`unbroken._stops.refuse`) and
+exits 75; the supervisor keeps a shallow standby instead.
 
 A standby torchrun's workers inherit no fd (torchrun closes them), so theirs is a FIFO in the
 supervisor's private stop area, named by the variable: each worker opens it and reads one byte;
@@ -30,9 +36,11 @@ import logging
 import os
 import select
 import stat
+import sys
 import time
+from collections.abc import Callable
 
-from .. import _signals
+from .. import _signals, _stops
 from .._exit import EXIT_RESUMABLE
 from .._protocol import STANDBY, ProcessContext
 
@@ -45,13 +53,19 @@ WAITING = b"standby-waiting"
 """The process's name (``ps``, ``top``, /proc/PID/comm) while it waits: 15 bytes, the limit."""
 
 _asked = False  # only the first Run() of a process waits
+at_first_run: Callable[[], None] | None = None
+"""Called by the first ``Run()`` of a process that waited before its script (the shallow
+standby, promoted: ``cli/_warm.py`` sets it), then forgotten."""
 
 
 def wait_for_turn() -> None:
     """In a warm standby: block until promoted (return) or told to go away (exit 75). Anywhere
     else, and in every ``Run()`` after a process's first: return at once."""
-    global _asked
+    global _asked, at_first_run
     if _asked:
+        hook, at_first_run = at_first_run, None
+        if hook is not None:
+            hook()
         return
     _asked = True
     ctx = ProcessContext.read()
@@ -64,6 +78,11 @@ def wait_for_turn() -> None:
         fd = ctx.standby_fd
     else:
         return
+    cuda = _cuda_initialised()
+    if cuda:
+        os.close(fd)
+        _stops.refuse(cuda)
+        raise SystemExit(EXIT_RESUMABLE)
     name = _set_name(WAITING)
     try:
         promoted = _wait(fd)
@@ -75,6 +94,20 @@ def wait_for_turn() -> None:
         raise SystemExit(EXIT_RESUMABLE)
     _signals.PROMOTED_AT = time.time()  # a time_limit counts from here, not the process start
     _normal_priority()
+
+
+def _cuda_initialised() -> str | None:
+    """Why this standby must not wait, when the script initialised CUDA before ``Run()``."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_initialized():
+            return None
+    except Exception:  # a torch too broken to say: let the script find out
+        return None
+    return (
+        "the script initialised CUDA before Run(): waiting, the standby would hold a second "
+        "CUDA context and whatever the script put on the GPU beside the trainer's"
+    )
 
 
 def _is_pipe(fd: int) -> bool:
