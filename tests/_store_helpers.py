@@ -252,19 +252,6 @@ def refresh_manifest(path: str, *names: str) -> None:
     write_manifest_raw(path, m)
 
 
-def rewrite_metadata(path: str, edit: Callable[[Any], None], md: Any = None) -> None:
-    """Apply ``edit`` to the DCP metadata object (``md``, or the one in ``path``), pickle it
-    back and fix up the manifest."""
-    from unbroken.store._v1 import read_metadata
-
-    md = md if md is not None else read_metadata(path)
-    edit(md)
-    md.storage_meta = None
-    with open(os.path.join(path, ".metadata"), "wb") as f:
-        pickle.dump(md, f)
-    refresh_manifest(path, ".metadata")
-
-
 # ---- the kill -9 driver -----------------------------------------------------------------------
 
 SCENARIOS = ("new", "resave")

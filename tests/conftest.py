@@ -52,7 +52,6 @@ FAST_MODULES = frozenset(
         "test_data_streams",
         "test_determinism",
         "test_direct_writer",
-        "test_format_compat",
         "test_hooks",
         "test_node_layout",
         "test_parallel_copy",
@@ -62,7 +61,6 @@ FAST_MODULES = frozenset(
         "test_staging",
         "test_store_corrupt",
         "test_store_retention",
-        "test_store_unsafe_v1",
         "test_triggers",
         "test_untracked_parameter",
     }

@@ -14,13 +14,14 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 import xxhash
 
+import tests._store_helpers as h
 from tests._store_helpers import (
     assert_same,
     ckpt,
@@ -35,7 +36,7 @@ from tests._store_helpers import (
     symlink_for,
     write_manifest_raw,
 )
-from unbroken import CorruptCheckpointError, UnsafeCheckpointError
+from unbroken import CorruptCheckpointError, Run, UnsafeCheckpointError
 from unbroken.cli import main
 from unbroken.store import CheckpointReader, CheckpointStore
 
@@ -253,18 +254,9 @@ def test_every_chunk_checksum_is_what_the_file_holds(base):
             assert c["offset"] % 64 == 0
 
 
-def test_nothing_on_the_load_path_unpickles():
-    """Format 2's reader imports no pickle-reading code: pickle lives only in the format-1
-    module, which a format-2 load never imports."""
-    code = (
-        "import sys, tests._store_helpers as h, tempfile\n"
-        "from unbroken.store import CheckpointStore\n"
-        "d = tempfile.mkdtemp(); h.make_run(d, (1,)); sys.modules.pop('pickle', None)\n"
-        "r = CheckpointStore(d).latest(); h.restore(r); r.check_contents()\n"
-        "bad = [m for m in sys.modules if m.startswith('unbroken.store._v1')]\n"
-        "assert not bad, bad\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120)
+def test_nothing_in_the_library_unpickles():
+    """No pickle-reading code in the library: the only format (2) is JSON and raw bytes; the
+    pickled format 1 of a pre-release is refused by name (test_a_format_1_checkpoint_is_refused)."""
     grep = subprocess.run(
         ["grep", "-rlnE", r"import pickle|pickle\.|_get_layout|_StorageInfo", "unbroken/"],
         capture_output=True,
@@ -272,4 +264,21 @@ def test_nothing_on_the_load_path_unpickles():
         cwd=REPO,
     )
     users = sorted(p for p in grep.stdout.split() if p.endswith(".py"))
-    assert users == ["unbroken/store/_v1.py", "unbroken/store/_v1records.py"], users
+    assert users == [], users
+
+
+def test_a_format_1_checkpoint_is_refused_by_name(tmp_path) -> None:
+    """Format 1 existed before any release; a directory of it is refused with what to do, and
+    left where it is (nothing the user saved is lost)."""
+    run = str(tmp_path / "run")
+    h.make_run(run, (1,))
+    step = os.path.join(run, "checkpoints", os.listdir(os.path.join(run, "checkpoints"))[0])
+    m = h.read_manifest_raw(step)
+    m["format_version"] = 1
+    h.write_manifest_raw(step, m)
+    with pytest.raises(CorruptCheckpointError, match="format 1") as e:
+        CheckpointReader(step)
+    assert "start_over=True" in str(e.value) and "unbroken export" in str(e.value)
+    with pytest.raises(CorruptCheckpointError, match="format 1"):
+        Run(run, model=torch.nn.Linear(2, 1))
+    assert os.path.isdir(step)

@@ -16,7 +16,7 @@ from ._safeio import read_json as read_json
 FORMAT = "unbroken-checkpoint"
 FORMAT_VERSION = 2
 """Written by this unbroken: tensors as raw bytes + JSON (_format). 1: DCP's pickled format."""
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (2,)
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_WORLD_SIZE = 1 << 20
@@ -95,6 +95,14 @@ def check_manifest(m: Any, where: str) -> dict[str, Any]:
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{where} is not an unbroken manifest")
     version = m.get("format_version")
+    if version == 1 and not isinstance(version, bool):
+        # Format 1 (pickled DCP records) lived for one afternoon before any release.
+        raise CorruptCheckpointError(
+            f"{where} is checkpoint format 1, written by a pre-release unbroken; this unbroken "
+            "reads format 2 only. Export its weights with the unbroken that wrote it "
+            "(`unbroken export`), or start the run over: Run(..., start_over=True) moves the "
+            "old checkpoints aside, deleting nothing"
+        )
     if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise CorruptCheckpointError(
             f"{where} has format version {version!r}; this unbroken reads versions "

@@ -1,7 +1,7 @@
 """Reading one committed checkpoint: manifest, JSON state, tensor metadata, tensors.
 
 Format 2 (what this unbroken writes) reads through _storage, with nothing to unpickle;
-format 1 (unbroken 0.1) through _v1, its restricted unpickler kept for old run directories.
+format 1 (a pre-release's pickled records) is refused by the manifest check, naming it.
 """
 
 from __future__ import annotations
@@ -59,8 +59,7 @@ class CheckpointReader:
             )
         self.format_version: int = self.manifest["format_version"]
         self._infos: Mapping[str, TensorInfo] | None = None
-        self._metadata: Any = None  # format 1: DCP metadata
-        self._table: Table | None = None  # format 2
+        self._table: Table | None = None
 
     @property
     def world_size(self) -> int:
@@ -79,13 +78,10 @@ class CheckpointReader:
         """Check every file's size and (``checksums``) checksum, and parse the tensor metadata.
         ``data=False`` leaves format 2 data files to the load, which verifies each chunk as
         it reads it (a corrupt one then fails the load, naming the tensor)."""
-        skip: set[str] = set()
-        if self.format_version >= 2:
-            skip = {n for n in self.manifest["files"] if n.startswith("tensors-r")}
+        skip = {n for n in self.manifest["files"] if n.startswith("tensors-r")}
         self._io_verify_files(checksums, skip)
         ranks = [_manifest.rank_file(r) for r in range(self.world_size)]
-        payload = ".metadata" if self.format_version == 1 else _format.TABLE_FILE
-        for name in (_manifest.STATE_FILE, payload, *ranks):
+        for name in (_manifest.STATE_FILE, _format.TABLE_FILE, *ranks):
             if name not in self.manifest["files"]:
                 raise CorruptCheckpointError(f"{self.path}: manifest does not list {name}")
         # Parse (safely) and validate the tensor metadata too, so that a checkpoint whose
@@ -103,16 +99,11 @@ class CheckpointReader:
         """Refuse what a restore would refuse, without restoring anything: the global and every
         rank's state file must parse (as JSON, and name only tensors the payload holds), and
         the tensor metadata must validate (format 2: every chunk inside its file, in bounds,
-        not overlapping; format 1: every record's header parsed and matching the metadata).
-        Reads no tensor data."""
+        not overlapping). Reads no tensor data."""
         self.global_trees()
         for rank in range(self.world_size):
             self.local_trees(rank)
         self.tensor_infos()
-        if self.format_version == 1:
-            from . import _v1
-
-            _v1.check_records(self.path, self._metadata)
 
     @_located
     def global_trees(self) -> dict[str, Any]:
@@ -146,27 +137,17 @@ class CheckpointReader:
     @_located
     def tensor_infos(self) -> Mapping[str, TensorInfo]:
         if self._infos is None:
-            if self.format_version == 1:
-                from . import _v1
-
-                self._metadata = _v1.read_metadata(self.path)
-                self._infos = _v1.tensor_infos(self._metadata)
-            else:
-                sizes = {n: int(r["size"]) for n, r in self.manifest["files"].items()}
-                self._table = self._io_table(sizes)
-                self._infos = self._table.infos()
+            sizes = {n: int(r["size"]) for n, r in self.manifest["files"].items()}
+            self._table = self._io_table(sizes)
+            self._infos = self._table.infos()
         return self._infos
 
     @_located
     def load_tensors(self, targets: dict[str, torch.Tensor], *, verify: bool = True) -> None:
-        """Fill ``targets`` from the payload; format 2 verifies every chunk read (``verify``)."""
+        """Fill ``targets`` from the payload, verifying every chunk read (``verify``)."""
         self.tensor_infos()
-        if self._table is not None:
-            self._io_load(self._table, targets, verify)
-        else:
-            from . import _v1
-
-            _v1.load_tensors(self.path, targets, self._metadata)
+        assert self._table is not None
+        self._io_load(self._table, targets, verify)
 
     def size_bytes(self) -> int:
         return sum(int(r["size"]) for r in self.manifest["files"].values())
