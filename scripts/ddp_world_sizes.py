@@ -27,7 +27,7 @@ from tests.test_ddp_world_sizes import SAVE_EVERY, TOY, VARIANTS, _args, draw_st
 
 def one(world: int, variant: str, ref: Path, cut: Path, seed: str) -> str:
     kill, term = draw_stops(seed)
-    args = ["--run-dir", str(cut), *_args(variant)]
+    args = ["--run-dir", str(cut), *_args(variant, world)]
     launch(TOY, [*args, "--signal-at", str(kill), "--signal", "KILL"], world)
     launch(TOY, [*args, "--signal-at", str(term), "--signal", "TERM"], world)
     launch(TOY, args, world)
@@ -54,7 +54,7 @@ def main() -> int:
         for world in map(int, a.worlds.split(",")):
             for variant in a.variants.split(","):
                 ref = Path(tmp) / f"ref-{world}-{variant}"
-                launch(TOY, ["--run-dir", str(ref), *_args(variant)], world)
+                launch(TOY, ["--run-dir", str(ref), *_args(variant, world)], world)
                 ok = 0
                 for i in range(a.stops):
                     line = one(

@@ -147,15 +147,35 @@ def run_interrupted(
     An interrupt is (step, signal) or (step, signal, phase); the phase is understood by
     tests/scripts/interrupt.py ("after" step K, or at the "start" of step K+1).
     """
+    resumed = 0
     for step, sig, *phase in interrupts:
         extra = ["--signal-phase", phase[0]] if phase else []
+        had = has_checkpoint(run_dir)
         code = launch(
             script,
             [*args, "--run-dir", str(run_dir), "--signal-at", str(step), "--signal", sig, *extra],
         )
         assert code == expected_code(sig), f"interrupt at {step} by {sig}: exit {code}"
+        resumed += had and check_resumed(run_dir, f"the launch interrupted at step {step}")
     final = resume_args if resume_args is not None else args
+    had = bool(interrupts) and has_checkpoint(run_dir)
     assert launch(script, [*final, "--run-dir", str(run_dir)]) == 0
+    resumed += had and check_resumed(run_dir, "the final launch")
+    # A test whose every interrupt came before the first checkpoint compares nothing.
+    assert not interrupts or resumed, f"no relaunch resumed from a checkpoint: {interrupts}"
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    root = run_dir / "checkpoints"
+    return root.is_dir() and any(p.name.startswith("step-") for p in root.iterdir())
+
+
+def check_resumed(run_dir: Path, which: str) -> bool:
+    """A relaunch over a run directory holding a checkpoint resumed from one (its resume event,
+    the newest in the log, at a step > 0)."""
+    steps = resume_steps(run_dir)
+    assert steps and steps[-1] > 0, f"{which} did not resume from a checkpoint: {steps}"
+    return True
 
 
 def final_state(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import unbroken
 from tests.dist_launch import launch
-from tests.golden import ROOT, assert_identical, final_state
+from tests.golden import ROOT, assert_identical, final_state, resume_steps
 from unbroken.store import CheckpointStore
 
 TOY = ROOT / "tests" / "scripts" / "canonical_toy.py"
@@ -52,6 +52,7 @@ def test_one_two_three_ranks_and_a_resume_across_them_are_bitwise_equal(tmp_path
     latest = CheckpointStore(str(cut)).latest()
     assert latest.step == 6 and latest.world_size == 3
     assert _run(cut, 1) == [0]
+    assert resume_steps(cut) == [3, 5, 6]  # every relaunch resumed from a checkpoint
     assert_identical(runs[1], cut)
 
 

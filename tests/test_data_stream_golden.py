@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 
 from tests.dist_launch import launch as launch_ranks
-from tests.golden import ROOT, assert_identical, expected_code, launch
+from tests.golden import (
+    ROOT,
+    assert_identical,
+    check_resumed,
+    expected_code,
+    has_checkpoint,
+    launch,
+)
 from unbroken import read_metrics
 
 EXAMPLE = ROOT / "examples" / "streaming_lm.py"
@@ -49,11 +56,17 @@ def _args(shards: Path, source: str, workers: int, steps: int = 10) -> list[str]
 def _cut(run_dir: Path, shards: Path, source: str, chain: list[tuple[int, str, int]], last: int):
     """Stop after step k by signal s with w workers, for each (k, s, w); then finish with
     ``last`` workers."""
+    resumed = False
     for step, sig, workers in chain:
         args = [str(EXAMPLE), *_args(shards, source, workers), "--run-dir", str(run_dir)]
+        had = has_checkpoint(run_dir)
         code = launch(INTERRUPT, [*args, "--signal-at", str(step), "--signal", sig])
         assert code == expected_code(sig), f"{source}: stop at {step} by {sig}: exit {code}"
+        resumed |= had and check_resumed(run_dir, f"the launch stopped at {step}")
+    had = has_checkpoint(run_dir)
     assert launch(EXAMPLE, [*_args(shards, source, last), "--run-dir", str(run_dir)]) == 0
+    resumed |= had and check_resumed(run_dir, "the final launch")
+    assert resumed, f"{source}: no relaunch resumed from a checkpoint: {chain}"
 
 
 def _reference(tmp_path: Path, shards: Path, source: str) -> Path:

@@ -36,12 +36,14 @@ VARIANTS = {
 _references: dict[tuple[int, str], Path] = {}
 
 
-def _args(variant: str) -> list[str]:
-    # Width 64 and batch 24: enough gradient elements that a different reduction order shows.
+def _args(variant: str, world: int = 3) -> list[str]:
+    # Width 64 and a global batch of 24 (8 per rank at 5 ranks and more): enough gradient
+    # elements that a different reduction order shows.
+    batch = 24 if 24 % world == 0 else 8 * world
     return [
         *VARIANTS[variant],
         *("--steps", str(STEPS), "--save-every", str(SAVE_EVERY)),
-        *("--width", "64", "--batch-size", "24", "--n", "144"),
+        *("--width", "64", "--batch-size", str(batch), "--n", str(6 * batch)),
     ]
 
 
@@ -49,7 +51,7 @@ def _reference(world: int, variant: str, tmp_path_factory: pytest.TempPathFactor
     key = (world, variant)
     if key not in _references:
         ref = tmp_path_factory.mktemp(f"ref-{world}-{variant}")
-        codes, _ = launch(TOY, ["--run-dir", str(ref), *_args(variant)], world)
+        codes, _ = launch(TOY, ["--run-dir", str(ref), *_args(variant, world)], world)
         assert codes == [0] * world
         _references[key] = ref
     return _references[key]
@@ -73,7 +75,7 @@ def test_kill_and_stop_resume_bit_for_bit(
     seed = f"{os.environ.get('UNBROKEN_TEST_SEED', '45')}-{world}-{variant}"
     kill, term = draw_stops(seed)
     cut = tmp_path / "cut"
-    args = ["--run-dir", str(cut), *_args(variant)]
+    args = ["--run-dir", str(cut), *_args(variant, world)]
     codes, _ = launch(TOY, [*args, "--signal-at", str(kill), "--signal", "KILL"], world)
     assert codes == [-9] * world
     codes, _ = launch(TOY, [*args, "--signal-at", str(term), "--signal", "TERM"], world)
