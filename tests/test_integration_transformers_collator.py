@@ -50,11 +50,16 @@ def test_random_collator_resumes_exactly(case: str, tmp_path: Path) -> None:
     ref, run = tmp_path / "ref", tmp_path / "run"
     assert launch(SCRIPT, [*args, "--run-dir", str(ref)]) == 0
     rng = random.Random(f"{os.environ.get('UNBROKEN_TEST_SEED', '45')}-{case}")
-    # SIGKILL 3 or 4 logged steps after the checkpoint of step 5: the relaunch resumes at 5.
-    # SIGTERM 3 or 4 steps after that of step 10: the step in progress ends, is saved, exit 75.
-    kill, term = rng.choice([8, 9]), rng.choice([13, 14])
-    run_interrupted(INTERRUPT, [str(SCRIPT), *args], run, [(kill, "KILL"), (term, "TERM")])
-    assert resume_steps(run) == [5, term + 1]
+    # Three drawn stops, each relaunch resuming from a checkpoint (run_interrupted checks it):
+    # SIGKILL 1 to 4 logged steps after the checkpoint of step 5 (the relaunch resumes at 5);
+    # SIGTERM 1 or 2 steps after that of step 10 (the step in progress ends, is saved at
+    # term + 1, exit 75); SIGKILL again before the next periodic save (back to term + 1, whose
+    # earlier resume event the log rewinds with the killed steps).
+    kill, term = rng.choice([6, 7, 8, 9]), rng.choice([11, 12])
+    again = rng.choice(range(term + 2, 15))
+    stops = [(kill, "KILL"), (term, "TERM"), (again, "KILL")]
+    run_interrupted(INTERRUPT, [str(SCRIPT), *args], run, stops)
+    assert resume_steps(run) == [5, term + 1], stops
     # The first step whose loss or micro-batches (crops, masks: the checksum) differ, by name.
     pairs = zip(read_metrics(str(ref)), read_metrics(str(run)), strict=True)
     differ = [(a, b) for a, b in pairs if a != b]
