@@ -402,12 +402,11 @@ def hints_for(cmp: Comparison, resumed_from: list[int]) -> list[str]:
     if cmp.passed:
         return []
     diffs = cmp.differences
-    first = diffs[0]
     hints: list[str] = []
     onset = _onset(cmp, resumed_from)
-    resumes = [r for r in resumed_from if r > 0]
-    first_resume = min(resumes) if resumes else None
-    if first_resume is None or first.step <= first_resume:
+    assert onset is not None
+    first_resume = onset.first_resume
+    if onset.resume is None:  # no resume before the first difference
         hints.append(NONDET.format(resume=first_resume if first_resume is not None else "-"))
         early_rng = [
             d for d in diffs if d.component == "rng" and d.key.split(".")[0] in {"python", "numpy"}
