@@ -544,7 +544,8 @@ def test_a_difference_at_the_first_step_after_a_resume_is_named_a_resume_problem
 
 
 def test_an_update_difference_at_the_first_step_after_a_resume_points_at_the_reduction() -> None:
-    # Plain DDP at 3 ranks: the loss of step 11 agrees, the update it made does not.
+    # DDP at 3 ranks, its first backward in a fresh process reduced in DDP's flat first-iteration
+    # layout (found from outside): the loss of step 11 agrees, the update it made does not.
     loss = Difference(12, "metrics", "loss", "metric", "2.31", "2.29")
     weight = Difference(15, "model", "0.weight", "tensor", "a", "b", 0.1)
     moment = Difference(15, "optimizer", "state.0.weight.exp_avg", "tensor", "a", "b", 0.1)

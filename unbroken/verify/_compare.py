@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import zlib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -517,6 +518,8 @@ def _leaf(path: str, kind: str, a: Any, b: Any) -> tuple[str, str, str, str, Non
 
 
 def _short(v: Any, limit: int = 80) -> str:
+    if _marker(v) == "$bytes" and isinstance(v["$bytes"], str):  # a random stream's state, say
+        return f"<bytes, crc32 {zlib.crc32(v['$bytes'].encode()):08x}>"
     if isinstance(v, str):
         text = v
     else:

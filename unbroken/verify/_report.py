@@ -252,24 +252,25 @@ RNG_AHEAD = (
     "step {resume}, the loss already differs, and the global random streams (component 'rng') "
     "differ from the next checkpoint on. Something drew from the global streams for the next "
     "step before run.step() saved them, and the relaunched process draws it again from the "
-    "restored streams: a collator that masks or augments at random "
-    "(DataCollatorForLanguageModeling) applied to a batch fetched ahead -- the Hugging Face "
-    "Trainer fetches the next step's batch before the previous step is saved --, or noise "
-    "prepared for the next step. Draw per-sample randomness in the dataset (unbroken.DataLoader "
-    "seeds each sample) or from a torch.Generator passed to Run, and draw a step's randomness "
-    "in that step."
+    "restored streams: a collate that masks or augments at random run outside the loader on a "
+    "batch fetched ahead (frameworks fetch the next step's batch before they save; a collate_fn "
+    "given to unbroken.DataLoader is seeded per batch), or noise prepared for the next step. "
+    "Draw a step's randomness in that step, per sample in the dataset (unbroken.DataLoader seeds "
+    "each sample), or from a torch.Generator passed to Run."
 )
 REDUCTION = (
     "The first step after the resume from step {resume} (step {step}) computed the same loss as "
     "the uninterrupted run ({agree}), yet the weights differ by step {upto}: the relaunched "
     "process reduced gradients in another order, and a floating-point sum depends on its order. "
-    "{ranks}Under DDP a process's first backward reduces in its initial bucket layout (every "
-    "parameter in one bucket), later ones in the layout DDP rebuilds after it, so the first step "
-    "of a resumed process and the same step of an uninterrupted run add gradients in different "
-    "orders; with 3 or more ranks the all-reduce then adds the ranks' values in another order "
-    "too (2 ranks: a + b = b + a). Sum in a fixed order: unbroken.CanonicalShards adds the "
-    "gradients in one order on every world size (docs/distributed.md); or, if rounding "
-    "differences are acceptable, compare with --atol/--rtol."
+    "{ranks}A new DistributedDataParallel reduces its first backward in one flat bucket and "
+    "later ones in the buckets it rebuilds, so a resumed process's first step adds the ranks' "
+    "gradients at other positions; with 3 or more ranks that changes the sums (2 ranks: a + b = "
+    "b + a). Run() makes every DDP it tracks reduce in one layout, but not a DDP with a "
+    "communication hook of your own (Run warned: ResumeWarning) or one it does not see; with "
+    "NCCL, a resume on other nodes may pick another algorithm (NCCL_ALGO=Ring, "
+    "NCCL_PROTO=Simple). See docs/distributed.md ('What is bitwise where'): "
+    "unbroken.CanonicalShards sums in one order on every world size; if rounding differences "
+    "are acceptable, compare with --atol/--rtol."
 )
 
 
@@ -482,7 +483,7 @@ def _ranks(cmp: Comparison) -> str:
     return (
         "In one process: the step's gradients were accumulated in another order (micro-batches "
         "or per-sample backward passes reordered in a fresh process, a hook with state of its "
-        "own). "
+        "own). Across ranks: "
     )
 
 
