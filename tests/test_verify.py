@@ -37,7 +37,19 @@ from unbroken.verify import (
     verify_resume,
 )
 from unbroken.verify._plan import next_target
-from unbroken.verify._report import LOADER, LR, METRICS_ONLY, NONDET, UNSEEDED_GLOBAL, hints_for
+from unbroken.verify._report import (
+    GENERATOR,
+    LOADER,
+    LR,
+    METRICS_ONLY,
+    NONDET,
+    REDUCTION,
+    RNG_AHEAD,
+    SAMPLES,
+    UNSEEDED_GLOBAL,
+    hints_for,
+    parted,
+)
 
 TOY = ROOT / "tests" / "scripts" / "toy_train.py"
 BROKEN = ROOT / "tests" / "scripts" / "broken_train.py"
@@ -415,3 +427,133 @@ def test_keep_all_env_overrides_keep_last(
         kept = retention(RunConfig(keep_last=2), ProcessContext.read(), 0)
     assert kept.keep_last is None
     assert "keeping every checkpoint (keep_last=2 set aside)" in caplog.text
+
+
+# ---- issue 49: volatile fields, the first real difference, hints ranked from it ---------------
+
+
+class History:
+    """A TrainerState-like component: a log history whose entries carry wall-clock fields."""
+
+    def __init__(self, entries: list[dict[str, Any]]) -> None:
+        self.entries = entries
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": {"global_step": 3, "log_history": self.entries}}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.entries = sd["state"]["log_history"]
+
+
+class Timer:
+    """Lightning's Timer callback as LightningResume tracks it: seconds elapsed per stage."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"time_elapsed": {"train": self.seconds, "validate": 0.0}}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.seconds = sd["time_elapsed"]["train"]
+
+
+def _history_dir(path: Path, runtime: float, flos: float = 6e6, timer: float = 1.0) -> Path:
+    reg = Registry()
+    reg.add("box", Box(torch.zeros(2), 0.5))
+    entries = [
+        {"loss": 0.5, "step": 2},
+        {"eval_loss": 0.4, "eval_runtime": runtime, "eval_samples_per_second": 8 / runtime},
+        {"train_runtime": 2 * runtime, "train_steps_per_second": 1 / runtime, "total_flos": flos},
+    ]
+    reg.add("trainer_state", History(entries))
+    reg.add("callback.Timer", Timer(timer))
+    CheckpointStore(str(path)).save(3, reg.collect(), {})
+    return path
+
+
+def test_volatile_fields_are_left_out_and_listed_as_not_compared(tmp_path: Path) -> None:
+    # Found from outside: a Trainer run's first "difference" was log_history.5.eval_runtime.
+    ra = _history_dir(tmp_path / "a", runtime=0.0624)
+    rb = _history_dir(tmp_path / "b", runtime=0.0766)
+    cmp = compare_runs(ra, rb)
+    assert cmp.passed, cmp.differences
+    listed = {n.path for n in cmp.not_compared}
+    assert {
+        "trainer_state.state.log_history.*.eval_runtime",
+        "trainer_state.state.log_history.*.eval_samples_per_second",
+        "trainer_state.state.log_history.*.train_runtime",
+        "trainer_state.state.log_history.*.train_steps_per_second",
+    } <= listed, listed
+    assert all(n.why for n in cmp.not_compared)
+    # total_flos counts operations (6 x tokens x parameters), not time: it is compared.
+    rc = _history_dir(tmp_path / "c", runtime=0.0766, flos=7e6)
+    d = compare_runs(ra, rc).first_difference
+    assert d is not None and d.where == "trainer_state.state.log_history.2.total_flos"
+    # Lightning's Timer, and what --ignore leaves out, are listed too.
+    rd = _history_dir(tmp_path / "d", runtime=0.0624, timer=2.0)
+    cmp = compare_runs(ra, rd, ignore=("box.x",))
+    listed = {n.path: n.source for n in cmp.not_compared}
+    assert cmp.passed and listed["callback.Timer.time_elapsed"] == "lightning", listed
+    assert listed["box.x"] == "--ignore", listed
+
+
+def test_a_report_names_what_it_did_not_compare(tmp_path: Path) -> None:
+    ra = _history_dir(tmp_path / "a", runtime=0.1)
+    rb = _history_dir(tmp_path / "b", runtime=0.2)
+    cmp = compare_runs(ra, rb)
+    report = VerifyReport(True, ["x"], 0, 3, cmp.steps, 0, not_compared=cmp.not_compared)
+    text = report.summary()
+    assert "not compared" in text and "log_history.*.eval_runtime" in text, text
+    listed = report.as_dict()["not_compared"]
+    assert {"path", "source", "why"} <= set(listed[0]), listed
+
+
+def _resume_cmp(*diffs: Difference, world_size: int = 1, **after: dict[str, bool]) -> Comparison:
+    kinds = {"model": "module", "optimizer": "optimizer", "loader": "loader", "rng": "rng"}
+    kinds |= {"counters": "counters", "trainer_state": "stateful"}
+    cmp = Comparison([5, 10, 15], 15, list(diffs), kinds)
+    cmp.world_size = world_size
+    cmp.after_resume = {int(k.removeprefix("s")): v for k, v in after.items()}
+    return cmp
+
+
+def test_a_difference_at_the_first_step_after_a_resume_is_named_a_resume_problem() -> None:
+    # The Trainer case once its wall-clock fields are left out: all agree at step 10 (the
+    # resume), the loss differs at 11, the state at the next checkpoint.
+    loss = Difference(11, "metrics", "loss", "metric", "2.31", "2.29")
+    rng = Difference(15, "rng", "torch", "tensor", "a", "b", 1.0)
+    weight = Difference(15, "model", "0.weight", "tensor", "a", "b", 0.1)
+    hints = hints_for(_resume_cmp(loss, rng, weight, s11={"loss": False}), resumed_from=[10])
+    assert "not a resume problem" not in hints[0] and NONDET.split("(")[0] not in hints[0]
+    assert hints[0].startswith(RNG_AHEAD.split("{")[0]), hints
+    onset = parted(_resume_cmp(loss, rng, weight, s11={"loss": False}), [10])
+    assert onset is not None and "the first step after the resume from step 10" in onset
+    assert "metrics.loss" in onset and "resume problem" in onset
+    # No random stream differs: the batch is the same (its samples logged and equal).
+    cmp = _resume_cmp(loss, weight, s11={"loss": False, "samples": True})
+    hints = hints_for(cmp, resumed_from=[10])
+    assert hints[0] == GENERATOR and "samples" in (parted(cmp, [10]) or "")
+    # The batch's samples differ at that step: the data position.
+    samples = Difference(11, "metrics", "samples", "metric", "[1, 2]", "[3, 4]")
+    cmp = _resume_cmp(samples, loss, weight, s11={"loss": False, "samples": False})
+    assert hints_for(cmp, resumed_from=[10])[0].startswith(SAMPLES.split("{")[0])
+    # Before the first resume took effect it stays non-determinism.
+    early = Difference(9, "metrics", "loss", "metric", "2.31", "2.29")
+    assert hints_for(_resume_cmp(early, weight), resumed_from=[10])[0] == NONDET.format(resume=10)
+
+
+def test_an_update_difference_at_the_first_step_after_a_resume_points_at_the_reduction() -> None:
+    # DDP at 3 ranks, its first backward in a fresh process reduced in DDP's flat first-iteration
+    # layout (found from outside): the loss of step 11 agrees, the update it made does not.
+    loss = Difference(12, "metrics", "loss", "metric", "2.31", "2.29")
+    weight = Difference(15, "model", "0.weight", "tensor", "a", "b", 0.1)
+    moment = Difference(15, "optimizer", "state.0.weight.exp_avg", "tensor", "a", "b", 0.1)
+    cmp = _resume_cmp(loss, weight, moment, world_size=3, s11={"loss": True})
+    hints = hints_for(cmp, resumed_from=[10])
+    assert hints[0].startswith(REDUCTION.split("{")[0]), hints
+    assert "bucket" in hints[0] and "docs/distributed.md" in hints[0] and "3 ranks" in hints[0]
+    onset = parted(cmp, [10]) or ""
+    assert "step 11" in onset and "resume from step 10" in onset
+    # Without the loss of step 11 in the log there is no such evidence: the generic list.
+    assert hints_for(_resume_cmp(loss, weight, moment, world_size=3), [10])[0] == GENERATOR

@@ -19,8 +19,10 @@ run directory (the reference), then again in another one while interrupting it K
 (SIGKILL and SIGTERM at moments drawn from --seed; with K >= 2 one SIGKILL lands inside a
 save), relaunching it until it exits 0. Then compare every tracked tensor (bitwise, or with
 --atol/--rtol) and all saved state at every checkpoint step both runs hold, and the per-step
-metrics log. Reports PASS, or the first step and the exact component and key that differ,
-with hints at the likely cause.
+metrics log; fields that measure time (train_seconds, the Trainer's *_runtime and
+*_per_second, ...) are left out and listed as not compared. Reports PASS, or the first step
+and the exact component and key that differ, where the runs part relative to the resumes,
+and hints at the likely cause, ranked from there.
 
 CMD must use unbroken.Run and take its run directory from the placeholder {{run_dir}} in its
 arguments (replaced by each run's directory) or from the environment variable

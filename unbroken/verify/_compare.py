@@ -1,6 +1,11 @@
 """Compare two run directories: every tracked tensor and all JSON state at every checkpoint step
 both hold, and the per-step metrics log.
 
+Fields that measure time (``counters.train_seconds``, the Trainer's ``*_runtime`` and
+``*_per_second`` log entries, ...: :mod:`._volatile`) and what ``ignore`` names are left out,
+and listed (``Comparison.not_compared``). The first step after each resume (from the interrupted
+run's ``resume`` events) is kept key by key for the hints: which logged values agree there.
+
 Tensors are compared bitwise by default (``-0.0`` differs from ``0.0``, a NaN equals the same
 NaN), or with ``atol``/``rtol``. The walk follows each component's JSON tree, so keys come out in
 the order the checkpoint stores them (``optimizer.param_groups.0.lr`` before
@@ -12,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import zlib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -22,9 +28,7 @@ from .._errors import CheckpointError
 from ..store import CheckpointReader, scan
 from ..train import read_metrics
 from ._errors import VerifyError
-
-VOLATILE = ("counters.train_seconds", "counters.metrics_offset")
-"""State that legitimately differs between an interrupted and an uninterrupted run."""
+from ._volatile import VOLATILE, NotCompared, collapse, volatile_rule
 
 # At one step, the component whose difference most likely *causes* the others comes first.
 _KIND_ORDER = ("counters", "loader", "rng", "generator", "module", "optimizer", "stateful")
@@ -109,6 +113,14 @@ class Comparison(FirstDifferences):
     step_counts: list[str] = field(default_factory=list)
     """Optimizer step counters that differ (``optimizer.state.0.weight.step``): the runs took
     a different number of optimizer steps (a GradScaler skipping others, say)."""
+    not_compared: list[NotCompared] = field(default_factory=list)
+    """What was left out: volatile fields found in the runs, and what ``ignore`` named."""
+    world_size: int = 1
+    """Ranks of the reference's newest checkpoint."""
+    resumes: list[int] = field(default_factory=list)
+    """Steps the interrupted run resumed from, as its metrics log records them."""
+    after_resume: dict[int, dict[str, bool]] = field(default_factory=dict)
+    """For the first step after each resume: logged key -> whether both runs logged the same."""
 
     @property
     def passed(self) -> bool:
@@ -126,9 +138,9 @@ def compare_runs(
     """Compare two existing run directories (``ref_dir`` is the uninterrupted one).
 
     ``ignore`` holds ``COMPONENT`` or ``COMPONENT.KEY`` prefixes (``rng.python``,
-    ``metrics.throughput``); ``counters.train_seconds`` and ``counters.metrics_offset`` are
-    always ignored. Raises :class:`VerifyError` when the two hold no checkpoint step in common
-    and no metrics log::
+    ``metrics.throughput``); fields that measure time (:data:`VOLATILE`) are always left out.
+    Both are listed in ``not_compared``. Raises :class:`VerifyError` when the two hold no
+    checkpoint step in common and no metrics log::
 
         cmp = compare_runs("runs/a", "runs/b")
         assert cmp.passed, cmp.first_difference.describe()
@@ -137,15 +149,16 @@ def compare_runs(
     for run_dir in (ref, other):
         if not os.path.isdir(run_dir):
             raise VerifyError(f"{run_dir} is not a run directory")
-    w = _Walker(atol, rtol, (*VOLATILE, *ignore))
+    w = _Walker(atol, rtol, ignore)
     ref_steps = {s: p for s, p in scan(ref)}
     other_steps = {s: p for s, p in scan(other)}
     shared = sorted(ref_steps.keys() & other_steps.keys())
     kinds: dict[str, str] = {}
     schedulers: list[str] = []
     untracked: dict[str, list[str]] = {}
+    world_size = 1
     if ref_steps:
-        kinds, schedulers, untracked = _components(ref_steps[max(ref_steps)])
+        kinds, schedulers, untracked, world_size = _components(ref_steps[max(ref_steps)])
     found: dict[str, Difference] = {}
     for step in shared:
         for d in _compare_step(step, ref_steps[step], other_steps[step], w):
@@ -154,24 +167,69 @@ def compare_runs(
         end = min(max(ref_steps), max(other_steps))
         ends = (f"ends at step {max(ref_steps)}", f"ends at step {max(other_steps)}")
         found.setdefault("checkpoints", Difference(end, "checkpoints", "", "length", *ends))
-    n_metrics, metric_diffs = _compare_metrics(ref, other, w)
+    logs = _Logs(ref, other)
+    n_metrics, metric_diffs = _compare_metrics(logs, w)
     if not shared and n_metrics == 0 and not metric_diffs:
         raise VerifyError(
             f"{ref} and {other} hold no checkpoint step in common and no metrics log to compare"
         )
     diffs = sorted(found.values(), key=lambda d: _order(d, kinds)) + metric_diffs
     diffs.sort(key=lambda d: d.step)  # stable: within a step, the order above stays
-    audit = [e for d in (ref, other) for e in _audit_events(d)]
+    audit = [e for e in logs.events if e.get("event") == "audit"]
     cmp = Comparison(shared, n_metrics, diffs, kinds, schedulers, untracked, audit)
     cmp.step_counts = list(dict.fromkeys(w.step_counts))
+    cmp.world_size = world_size
+    cmp.resumes = logs.resumes
+    cmp.after_resume = _after_resume(logs, w)
+    cmp.not_compared = list(w.skipped.values())
     return cmp
 
 
-def _audit_events(run_dir: str) -> list[dict[str, Any]]:
-    try:
-        return [e for e in read_metrics(run_dir, events=True) if e.get("event") == "audit"]
-    except (OSError, ValueError):
-        return []
+class _Logs:
+    """Both metrics logs: step records (None where a run has no log) and their events."""
+
+    def __init__(self, ref: str, other: str) -> None:
+        self.records: list[list[dict[str, Any]] | None] = []
+        self.events: list[dict[str, Any]] = []
+        for d in (ref, other):
+            try:
+                entries = read_metrics(d, events=True)
+            except FileNotFoundError:
+                self.records.append(None)
+                continue
+            self.records.append([e for e in entries if "event" not in e])
+            self.events += [e for e in entries if "event" in e]
+        # The interrupted run's resumes that took effect: a resume truncates the log to its
+        # checkpoint's offset, so those superseded by a resume from an earlier step are gone.
+        steps = [e.get("step") for e in self.events if e.get("event") == "resume"]
+        self.resumes = sorted({s for s in steps if isinstance(s, int) and s > 0})
+
+
+def _step_of(rec: dict[str, Any], i: int) -> int:
+    return rec["step"] if isinstance(rec.get("step"), int) else i + 1
+
+
+def _after_resume(logs: _Logs, w: _Walker) -> dict[int, dict[str, bool]]:
+    """For the first step after each resume: which logged values agree."""
+    ma, mb = logs.records
+    if not ma or not mb or w.ignored("metrics"):
+        return {}
+    wanted = {r + 1 for r in logs.resumes}
+    rows_a = {_step_of(r, i): r for i, r in enumerate(ma) if _step_of(r, i) in wanted}
+    rows_b = {_step_of(r, i): r for i, r in enumerate(mb) if _step_of(r, i) in wanted}
+    out: dict[int, dict[str, bool]] = {}
+    for step in sorted(rows_a.keys() & rows_b.keys()):
+        ra, rb = rows_a[step], rows_b[step]
+        row: dict[str, bool] = {}
+        for key in [*ra, *(k for k in rb if k not in ra)]:
+            if key in ("step", "epoch") or w.ignored(f"metrics.{key}"):
+                continue
+            found: list[Any] = []
+            if key in ra and key in rb:
+                w.walk(ra[key], rb[key], f"metrics.{key}", found, limit=1)
+            row[key] = key in ra and key in rb and not found
+        out[step] = row
+    return out
 
 
 def _order(d: Difference, kinds: dict[str, str]) -> tuple[int, int, int, str]:
@@ -180,13 +238,14 @@ def _order(d: Difference, kinds: dict[str, str]) -> tuple[int, int, int, str]:
     return (d.step, _CLASS_ORDER.get(d.kind, 9), rank, d.component)
 
 
-def _components(path: str) -> tuple[dict[str, str], list[str], dict[str, list[str]]]:
+def _components(path: str) -> tuple[dict[str, str], list[str], dict[str, list[str]], int]:
     try:
         reader = CheckpointReader(path)
         comps = reader.components
         trees = reader.global_trees()
+        world_size = reader.world_size
     except CheckpointError:
-        return {}, [], {}
+        return {}, [], {}, 1
     kinds = {name: str(c.get("kind", "stateful")) for name, c in comps.items()}
     schedulers = [
         n for n, t in trees.items() if isinstance(t, dict) and {"base_lrs", "last_epoch"} <= set(t)
@@ -202,7 +261,7 @@ def _components(path: str) -> tuple[dict[str, str], list[str], dict[str, list[st
             lost = [k for k in keys if isinstance(k, str) and k.startswith("#")]
             if lost:
                 untracked[name] = lost
-    return kinds, schedulers, untracked
+    return kinds, schedulers, untracked, world_size
 
 
 def _open(path: str) -> CheckpointReader:
@@ -249,7 +308,8 @@ def _compare_step(step: int, ref_path: str, other_path: str, w: _Walker) -> list
         diffs: list[tuple[str, str, str, str, float | None]] = []
         w.walk(trees_a[name], trees_b[name], name, diffs, limit=1)
         if diffs:
-            key, kind, ra, rb, mad = diffs[0]
+            path, kind, ra, rb, mad = diffs[0]
+            key = path[len(name) + 1 :]  # the component's name may hold dots (callback.Timer)
             out.append(Difference(step, name, key, kind, ra, rb, mad))
             _step_count(trees_a[name], trees_b[name], name, w)
     w.tensors = ({}, {})
@@ -278,16 +338,10 @@ def _flip(have: str) -> str:
     return "absent" if have == "tracked" else "tracked"
 
 
-def _compare_metrics(ref: str, other: str, w: _Walker) -> tuple[int, list[Difference]]:
+def _compare_metrics(logs: _Logs, w: _Walker) -> tuple[int, list[Difference]]:
     if w.ignored("metrics"):
         return 0, []
-    logs: list[list[dict[str, Any]] | None] = []
-    for d in (ref, other):
-        try:
-            logs.append(read_metrics(d))
-        except FileNotFoundError:
-            logs.append(None)
-    ma, mb = logs
+    ma, mb = logs.records
     if ma is None and mb is None:
         return 0, []
     if ma is None or mb is None:
@@ -295,7 +349,7 @@ def _compare_metrics(ref: str, other: str, w: _Walker) -> tuple[int, list[Differ
         return 0, [Difference(0, "metrics", "", "missing", have, _flip_log(have))]
     seen: dict[str, Difference] = {}
     for i, (ra, rb) in enumerate(zip(ma, mb, strict=False)):
-        step = ra.get("step", i + 1) if isinstance(ra.get("step"), int) else i + 1
+        step = _step_of(ra, i)
         for key in [*ra, *(k for k in rb if k not in ra)]:
             if key in seen or w.ignored(f"metrics.{key}"):
                 continue
@@ -329,10 +383,23 @@ class _Walker:
         self.ignore = tuple(ignore)
         self.tensors: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
         self.step_counts: list[str] = []
+        self.skipped: dict[str, NotCompared] = {}  # what was left out, by listed path
 
     def ignored(self, path: str) -> bool:
+        """Whether ``path`` is left out (named by ``ignore``, or volatile); noted if so."""
         base = _strip_rank(path)
-        return any(base == p or base.startswith(p + ".") for p in self.ignore)
+        for p in self.ignore:
+            if base == p or base.startswith(p + "."):
+                if p not in self.skipped:
+                    self.skipped[p] = NotCompared(p, "--ignore", "left out on request")
+                return True
+        rule = volatile_rule(base)
+        if rule is None:
+            return False
+        shown = collapse(base)
+        if shown not in self.skipped:
+            self.skipped[shown] = NotCompared(shown, rule.source, rule.why)
+        return True
 
     def walk(self, a: Any, b: Any, path: str, out: list[Any], limit: int) -> None:
         if len(out) >= limit or self.ignored(path):
@@ -349,6 +416,8 @@ class _Walker:
                 out.append(_leaf(path, "state", a, b))
         elif isinstance(a, dict) and isinstance(b, dict):
             for k in [*a, *(k for k in b if k not in a)]:
+                if (k not in a or k not in b) and self.ignored(f"{path}.{k}"):
+                    continue
                 if k not in a or k not in b:
                     out.append(_leaf(f"{path}.{k}", "state", a.get(k), b.get(k)))
                 else:
@@ -389,8 +458,7 @@ class _Walker:
             return
         if _tensors_equal(ta, tb, self.exact, self.atol, self.rtol):
             return
-        key = path.split(".", 1)[1] if "." in path else ""
-        out.append((key, "tensor", _describe(ta), _describe(tb), _max_abs_diff(ta, tb)))
+        out.append((path, "tensor", _describe(ta), _describe(tb), _max_abs_diff(ta, tb)))
 
 
 def _tensors_equal(a: torch.Tensor, b: torch.Tensor, exact: bool, atol: float, rtol: float) -> bool:
@@ -445,11 +513,13 @@ def _strip_rank(path: str) -> str:
 
 
 def _leaf(path: str, kind: str, a: Any, b: Any) -> tuple[str, str, str, str, None]:
-    key = path.split(".", 1)[1] if "." in path else ""
-    return (key, kind, _short(a), _short(b), None)
+    """(the full dotted path, kind, both values shortened, no max |Δ|)."""
+    return (path, kind, _short(a), _short(b), None)
 
 
 def _short(v: Any, limit: int = 80) -> str:
+    if _marker(v) == "$bytes" and isinstance(v["$bytes"], str):  # a random stream's state, say
+        return f"<bytes, crc32 {zlib.crc32(v['$bytes'].encode()):08x}>"
     if isinstance(v, str):
         text = v
     else:
@@ -460,4 +530,4 @@ def _short(v: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-__all__ = ["Comparison", "Difference", "compare_runs"]
+__all__ = ["VOLATILE", "Comparison", "Difference", "NotCompared", "compare_runs"]

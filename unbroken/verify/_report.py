@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ._compare import Comparison, Difference, FirstDifferences
+from ._volatile import NotCompared, listing
 
 
 @dataclass(slots=True)
@@ -48,6 +49,12 @@ class VerifyReport(FirstDifferences):
     """The first difference of each component and metric, earliest first."""
     hints: list[str] = field(default_factory=list)
     """Likely causes, most likely first."""
+    not_compared: list[NotCompared] = field(default_factory=list)
+    """Fields left out of the comparison: volatile ones (wall-clock time, throughput) found in
+    the runs, and what ``ignore`` named."""
+    parted: str | None = None
+    """Where the runs part, relative to the resumes: a resume problem or not (None: they
+    agree)."""
     work_dir: str | None = None
     """Where the two run directories are (None once removed after a pass)."""
     seconds: dict[str, float] = field(default_factory=dict)
@@ -70,7 +77,9 @@ class VerifyReport(FirstDifferences):
             "first_difference": first.as_dict() if first else None,
             "first_metric_difference": metric.as_dict() if metric else None,
             "differences": [d.as_dict() for d in self.differences],
+            "parted": self.parted,
             "hints": list(self.hints),
+            "not_compared": [n.as_dict() for n in self.not_compared],
             "work_dir": self.work_dir,
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
             "notes": list(self.notes),
@@ -91,6 +100,8 @@ class VerifyReport(FirstDifferences):
             first = self.first_difference
             assert first is not None
             lines.append(f"FAIL: {first.describe()}")
+            if self.parted:
+                lines.append(f"  the runs part {self.parted}")
         lines.append(
             f"  interruptions: {len(kills)} ({how}); {saves} during a save; "
             f"{self.launches} launches; resumed from "
@@ -110,6 +121,8 @@ class VerifyReport(FirstDifferences):
                     else f"{d.reference} vs {d.other}"
                 )
                 lines.append(f"    step {d.step:<6} {d.where:<40} {what}")
+        if self.not_compared:
+            lines.append(f"  not compared: {listing(self.not_compared)}")
         lines.extend(f"  note: {n}" for n in self.notes)
         if self.hints:
             lines.append("hints:")
@@ -227,23 +240,174 @@ EMA_METRIC = (
 )
 
 
+SAMPLES = (
+    "The batch's samples differ at step {step}, the first step after the resume from step "
+    "{resume}: the relaunched process reads other samples. The data position is not restored: "
+    "a loader not passed to Run, a sampler or dataset that shuffles with a generator of its own, "
+    "or a batch size that depends on something not restored. Use unbroken.DataLoader(dataset, "
+    "..., seed=...) and pass it to Run (loader=loader)."
+)
+RNG_AHEAD = (
+    "A random draw made ahead of the save: at step {step}, the first step after the resume from "
+    "step {resume}, the loss already differs, and the global random streams (component 'rng') "
+    "differ from the next checkpoint on. Something drew from the global streams for the next "
+    "step before run.step() saved them, and the relaunched process draws it again from the "
+    "restored streams: a collate that masks or augments at random run outside the loader on a "
+    "batch fetched ahead (frameworks fetch the next step's batch before they save; a collate_fn "
+    "given to unbroken.DataLoader is seeded per batch), or noise prepared for the next step. "
+    "Draw a step's randomness in that step, per sample in the dataset (unbroken.DataLoader seeds "
+    "each sample), or from a torch.Generator passed to Run."
+)
+REDUCTION = (
+    "The first step after the resume from step {resume} (step {step}) computed the same loss as "
+    "the uninterrupted run ({agree}), yet the weights differ by step {upto}: the relaunched "
+    "process reduced gradients in another order, and a floating-point sum depends on its order. "
+    "{ranks}A new DistributedDataParallel reduces its first backward in one flat bucket and "
+    "later ones in the buckets it rebuilds, so a resumed process's first step adds the ranks' "
+    "gradients at other positions; with 3 or more ranks that changes the sums (2 ranks: a + b = "
+    "b + a). Run() makes every DDP it tracks reduce in one layout, but not a DDP with a "
+    "communication hook of your own (Run warned: ResumeWarning) or one it does not see; with "
+    "NCCL, a resume on other nodes may pick another algorithm (NCCL_ALGO=Ring, "
+    "NCCL_PROTO=Simple). See docs/distributed.md ('What is bitwise where'): "
+    "unbroken.CanonicalShards sums in one order on every world size; if rounding differences "
+    "are acceptable, compare with --atol/--rtol."
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Onset:
+    """Where the runs part, relative to the resumes."""
+
+    step: int
+    """The first step where they differ (for ``update``: the first step after the resume)."""
+    resume: int | None
+    """The last resume before it (None: before any resume took effect)."""
+    first_resume: int | None
+    first_after: bool
+    """It is the first step after that resume."""
+    update: bool
+    """The first step after the resume logged the same loss, yet the weights part by the next
+    checkpoint: an update differs, the first one's most likely."""
+    pinned: bool
+    """For ``update``: the evidence pins it to the first step (the next loss, or a checkpoint
+    right after it, differs), not only to the steps up to the next checkpoint."""
+    at: list[Difference]
+    """What differs where it was first seen."""
+    agree: list[str]
+    """Keys logged at the first step after the resume that agree there."""
+    differ: list[str]
+    """Keys logged at the first step after the resume that differ there."""
+
+
+def _onset(cmp: Comparison, resumed_from: list[int]) -> _Onset | None:
+    diffs = cmp.differences
+    if not diffs:
+        return None
+    first = diffs[0].step
+    resumes = sorted({r for r in [*resumed_from, *cmp.resumes] if r > 0})
+    first_resume = resumes[0] if resumes else None
+    before = [r for r in resumes if r < first]
+    resume = before[-1] if before else None
+    at = [d for d in diffs if d.step == first]
+    row = cmp.after_resume.get(resume + 1, {}) if resume is not None else {}
+    agree = [k for k, same in row.items() if same]
+    differ = [k for k, same in row.items() if not same]
+    update = pinned = False
+    weights = [
+        d.step for d in diffs if cmp.kinds.get(d.component.split("@")[0]) in ("module", "optimizer")
+    ]
+    same_batch = not any(_is_samples(k) for k in differ)
+    if resume is not None and row.get("loss") is True and weights and same_batch:
+        # The loss of the first step after the resume agrees: same weights, and the same batch
+        # unless its logged samples differ. Values logged after the update (an EMA's loss) may
+        # differ at that step. If the next loss differs, or the weights at a checkpoint right
+        # after, that step's update did; if only the weights at the next checkpoint do (a
+        # rounding-sized difference may take steps to reach the logged loss), one of the
+        # updates up to it did.
+        loss = next((d for d in diffs if d.component == "metrics" and d.key == "loss"), None)
+        if loss is None or loss.step >= resume + 2:
+            pinned = (loss is not None and loss.step == resume + 2) or weights[0] <= resume + 2
+            later = [s for s in cmp.steps if s > resume]
+            update = pinned or (bool(later) and weights[0] == later[0])
+    step = resume + 1 if update and resume is not None else first
+    first_after = resume is not None and step == resume + 1
+    return _Onset(step, resume, first_resume, first_after, update, pinned, at, agree, differ)
+
+
+def _is_samples(key: str) -> bool:
+    """A logged key naming the batch's samples (``samples``, ``sample_ids``, ``indices``)."""
+    parts = set(key.lower().replace("-", "_").split("_"))
+    return bool(parts & {"sample", "samples", "indices", "index", "ids", "idx"}) or key == "batch"
+
+
+def _shown(d: Difference) -> str:
+    if d.kind == "tensor" and d.max_abs_diff is not None:
+        return f"{d.where} (max |Δ| {d.max_abs_diff:.3g})"
+    return f"{d.where} ({d.reference} vs {d.other})"
+
+
+def parted(cmp: Comparison, resumed_from: list[int]) -> str | None:
+    """Where the runs part and what that says: before any resume (not a resume problem), at
+    the first step after one, or later. None when they agree."""
+    o = _onset(cmp, resumed_from)
+    if o is None:
+        return None
+    seen = ", ".join(_shown(d) for d in o.at[:3]) + (" ..." if len(o.at) > 3 else "")
+    if o.resume is None:
+        when = (
+            f"before the first resume took effect (step {o.first_resume})"
+            if o.first_resume is not None
+            else "with no resume in between"
+        )
+        return (
+            f"at step {o.step}, {when}: not a resume problem, the script does not repeat "
+            f"itself; there: {seen}"
+        )
+    agree = ", ".join(f"metrics.{k}" for k in o.agree)
+    verb = "agree" if len(o.agree) > 1 else "agrees"
+    if o.update and o.pinned:
+        return (
+            f"at step {o.step}, the first step after the resume from step {o.resume}: a resume "
+            f"problem; its logged {agree} {verb}, the update it made does not: {seen} at step "
+            f"{o.at[0].step}"
+        )
+    if o.update:
+        return (
+            f"after the resume from step {o.resume}, by the next checkpoint (step "
+            f"{o.at[0].step}): a resume problem; at step {o.step}, the first step after the "
+            f"resume, the logged {agree} {verb}, the weights at the checkpoint do not: {seen}"
+        )
+    if o.first_after:
+        text = (
+            f"at step {o.step}, the first step after the resume from step {o.resume}: a resume "
+            f"problem (the runs agree up to the resume); there: {seen}"
+        )
+        return text + (f"; {agree} {verb}" if agree else "")
+    return (
+        f"at step {o.step}, {o.step - o.resume} steps after the resume from step {o.resume}: "
+        f"a resume problem, or state that drifts (the runs agree up to the resume); there: {seen}"
+    )
+
+
 def hints_for(cmp: Comparison, resumed_from: list[int]) -> list[str]:
     """Likely causes of the differences, the best evidenced first.
 
     Evidence, strongest first: the runs differ before any resume (not a resume problem); what
     the Run's start-up audit recorded (draws after Run(), module state outside the
     state_dict); a callback's saved overrides; parameters no tracked module owns; no tracked
-    loader; the learning rate; the loader's position; the optimizer's step count; the random
+    loader; the learning rate; the loader's position; the optimizer's step count; what differs
+    at the first step after the resume where the runs part (the batch's samples; a random draw
+    made ahead of the save; only the update, its loss agreeing: the reduction); the random
     streams; then the usual suspects of a model that diverges.
     """
     if cmp.passed:
         return []
     diffs = cmp.differences
-    first = diffs[0]
     hints: list[str] = []
-    resumes = [r for r in resumed_from if r > 0]
-    first_resume = min(resumes) if resumes else None
-    if first_resume is None or first.step <= first_resume:
+    onset = _onset(cmp, resumed_from)
+    assert onset is not None
+    first_resume = onset.first_resume
+    if onset.resume is None:  # no resume before the first difference
         hints.append(NONDET.format(resume=first_resume if first_resume is not None else "-"))
         early_rng = [
             d for d in diffs if d.component == "rng" and d.key.split(".")[0] in {"python", "numpy"}
@@ -284,7 +448,21 @@ def hints_for(cmp: Comparison, resumed_from: list[int]) -> list[str]:
         d.where for d in state if kind[d.component] == "optimizer" and d.key.endswith(".step")
     ]
     hints += [SKIPPED.format(where=where) for where in [*skipped, *cmp.step_counts][:1]]
-    if any(d.component.split("@")[0] == "rng" for d in at_first) and UNSEEDED_GLOBAL not in hints:
+    rng_first = any(d.component.split("@")[0] == "rng" for d in at_first)
+    ahead = False
+    if onset is not None and onset.first_after and onset.resume is not None:
+        where = {"step": onset.step, "resume": onset.resume}
+        if any(_is_samples(k) for k in onset.differ):
+            hints.append(SAMPLES.format(**where))
+        ahead = rng_first and "loss" in onset.differ
+        if ahead:  # RNG, made precise
+            hints.append(RNG_AHEAD.format(**where))
+        if onset.update and not rng_first and (onset.pinned or cmp.world_size > 1):
+            upto = onset.at[0].step
+            hints.append(
+                REDUCTION.format(**where, upto=upto, agree=_agreeing(onset), ranks=_ranks(cmp))
+            )
+    if rng_first and UNSEEDED_GLOBAL not in hints and not ahead:
         hints.append(RNG)
     if not state:
         hints += [EMA_METRIC.format(key=d.key) for d in diffs if "ema" in d.key.lower()][:1]
@@ -292,6 +470,21 @@ def hints_for(cmp: Comparison, resumed_from: list[int]) -> list[str]:
     else:
         hints += [GENERATOR, COMPONENT, HIDDEN_GENERIC, NONDET_OPS]
     return list(dict.fromkeys(hints))
+
+
+def _agreeing(onset: _Onset) -> str:
+    keys = [k for k in onset.agree if k == "loss" or _is_samples(k)]
+    return "its logged " + " and ".join(keys) + (" agree" if len(keys) > 1 else " agrees")
+
+
+def _ranks(cmp: Comparison) -> str:
+    if cmp.world_size > 1:
+        return f"The run has {cmp.world_size} ranks. "
+    return (
+        "In one process: the step's gradients were accumulated in another order (micro-batches "
+        "or per-sample backward passes reordered in a fresh process, a hook with state of its "
+        "own). Across ranks: "
+    )
 
 
 def _is_lr(d: Difference) -> bool:

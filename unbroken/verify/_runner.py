@@ -36,7 +36,7 @@ from ..store import _layout
 from ._compare import compare_runs
 from ._errors import ScriptFailedError, VerifyError
 from ._plan import Target, next_target, plan_interrupts
-from ._report import Interruption, VerifyReport, hints_for
+from ._report import Interruption, VerifyReport, hints_for, parted
 
 PLACEHOLDER = "{run_dir}"
 ENV_RUN_DIR = _protocol.RUN_DIR
@@ -120,6 +120,8 @@ def verify_resume(
         resumed_from=outcome.resumed_from,
         differences=cmp.differences,
         hints=hints_for(cmp, outcome.resumed_from),
+        not_compared=cmp.not_compared,
+        parted=parted(cmp, outcome.resumed_from),
         work_dir=work,
         notes=notes + outcome.notes,
     )

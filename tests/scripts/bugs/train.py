@@ -18,6 +18,15 @@ tracks everything and resumes exactly.
     draw           fixed evaluation inputs drawn from the torch global RNG after Run()
     callback       a before_step callback that counts its calls in a closure
     buffer         a module whose running mean is a tensor attribute, not a buffer
+    collate        a collator masking at random from the global torch stream, run for the next
+                   step's batch before run.step() saves (the Trainer fetches ahead so): a
+                   resume makes that draw again, from the restored stream
+    reduce         in a resumed process, its first step adds the per-sample gradients in
+                   another order (as DDP's first step after a launch reduces in its initial
+                   bucket layout): the loss agrees, the update does not
+    volatile       not a bug: a tracked TrainerState-like component logs wall-clock fields
+                   (log_history entries with train_runtime, ..._per_second); verify passes
+                   and lists them as not compared
 
 The run directory is ``$UNBROKEN_RUN_DIR``. 24 samples in batches of 4: 6 steps are one epoch,
 saved every 2 steps, so a resume lands mid-epoch.
@@ -28,6 +37,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import time
 
 import numpy as np
 import torch
@@ -50,6 +60,9 @@ BUGS = (
     "draw",
     "callback",
     "buffer",
+    "collate",
+    "reduce",
+    "volatile",
 )
 
 
@@ -73,6 +86,32 @@ class Center(torch.nn.Module):
         return x - self.mean
 
 
+class History:
+    """A TrainerState-like log history: each step's loss with the wall-clock fields the
+    Hugging Face Trainer logs (``train_runtime``, ``train_samples_per_second``)."""
+
+    def __init__(self) -> None:
+        self.log_history: list[dict[str, float]] = []
+        self.start = time.perf_counter()
+
+    def log(self, step: int, loss: float) -> None:
+        runtime = round(time.perf_counter() - self.start, 6) + 1e-6
+        entry = {"step": step, "loss": loss, "train_runtime": runtime}
+        self.log_history.append({**entry, "train_samples_per_second": 4 * step / runtime})
+
+    def state_dict(self) -> dict[str, object]:
+        return {"log_history": [dict(e) for e in self.log_history]}
+
+    def load_state_dict(self, state_dict: dict[str, list[dict[str, float]]]) -> None:
+        self.log_history = [dict(e) for e in state_dict["log_history"]]
+
+
+def mask(shape: torch.Size) -> torch.Tensor:
+    """A collator's random masking (DataCollatorForLanguageModeling's draw), from the global
+    torch stream."""
+    return (torch.rand(shape) > 0.25).float()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--bug", choices=BUGS, default="none")
@@ -93,7 +132,11 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.8**s)
     # The loss is scaled by 1e30 * scale (undone after unscale_), so that a scale
     # above ~2**27 overflows: the scaler then skips the step and backs off.
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**26, growth_interval=1)
+    # (Off for "reduce": whether a sum overflows depends on its order too, and that bug is
+    # about the order alone.)
+    scaler = torch.amp.GradScaler(
+        "cpu", init_scale=2.0**26, growth_interval=1, enabled=bug != "reduce"
+    )
     ema = unbroken.EMA(model, decay=0.5)
     noise = torch.Generator().manual_seed(1)
     np_rs = np.random.RandomState(2)
@@ -111,6 +154,9 @@ def main() -> None:
     }
     if bug != "parameter":
         comps["scale"] = scale
+    history = History()
+    if bug == "volatile":
+        comps["trainer_state"] = history
     untracked = {
         "scheduler": "scheduler",
         "scaler": "scaler",
@@ -158,14 +204,27 @@ def main() -> None:
         source = batches()
     else:
         source = run.loop(loader)
+    ahead: torch.Tensor | None = None  # bug "collate": masks drawn before the last save
+    first = run.resumed_from is not None  # bug "reduce": the first step of a resumed process
     for x, y in source:
+        if bug == "collate":
+            # The fetch ahead: this step's masks were drawn during the previous step, before
+            # run.step() saved the streams; a resumed process draws them again, from there.
+            x = x * (ahead if ahead is not None else mask(x.shape))
         x = x + 0.1 * torch.randn(x.shape, generator=noise)
         x = x + 0.1 * torch.from_numpy(np_rs.standard_normal(x.shape).astype(np.float32))
         x = x * (1.0 + 0.1 * py_rng.random())
         out = head(model(x)) * scale["logit"].exp()
         loss = F.mse_loss(out, y)
         opt.zero_grad()
-        scaler.scale(loss * 1e30).backward()
+        if bug == "reduce":
+            per_sample = F.mse_loss(out, y, reduction="none").mean(1) / len(y)
+            order = range(len(y) - 1, -1, -1) if first else range(len(y))
+            for i in order:  # p.grad accumulates in this order
+                scaler.scale(per_sample[i] * 1e30).backward(retain_graph=True)
+            first = False
+        else:
+            scaler.scale(loss * 1e30).backward()
         scaler.unscale_(opt)  # records whether any gradient overflowed
         for p in params:
             if p.grad is not None:
@@ -178,6 +237,9 @@ def main() -> None:
         ema.update()
         with torch.no_grad(), ema.applied():
             ema_loss = F.mse_loss(head(model[1:](eval_x)), torch.zeros(4, 1)).item()
+        if bug == "collate":
+            ahead = mask(x.shape)  # the next batch's masks, drawn before the save below
+        history.log(run.counters.step + 1, loss.item())
         run.step(loss=loss.item(), ema_loss=ema_loss, scale=scaler.get_scale())
 
 
