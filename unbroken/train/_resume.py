@@ -250,9 +250,19 @@ class Resumer:
             else:
                 assert area is not None
                 try:
-                    area.keep(step, self.store.run_dir)
+                    kept = area.keep(step, self.store.run_dir)
                 except (CheckpointError, OSError) as e:  # not kept: as when the supervisor
                     raise CorruptCheckpointError(str(e)) from e  # could not keep it either
+                _log.event(
+                    log,
+                    logging.INFO,
+                    "unbroken: the in-memory snapshot of step %d is newer than the checkpoints "
+                    "(the supervisor did not keep it); committed it as %s",
+                    step,
+                    kept,
+                    step=step,
+                    path=kept,
+                )
         except UNUSABLE as e:
             what = "remote checkpoint" if d.source == REMOTE else "in-memory snapshot"
             where = next(
