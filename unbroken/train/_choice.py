@@ -38,7 +38,7 @@ The rules:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from .._errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from ..store._entry import LOCAL, REMOTE, SNAPSHOT, Entry
@@ -112,7 +112,7 @@ class Decision:
     where they are."""
     upload: bool = False
     """``remote=``: the store does not hold ``step`` verified (upload it in the background)."""
-    check: tuple[Entry, ...] = field(default=())
+    check: tuple[Entry, ...] = ()
     """Entries whose verdict the choice needs: verify them and choose again."""
 
 
