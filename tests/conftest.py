@@ -46,6 +46,7 @@ def _launch_environment_unchanged() -> Iterator[None]:
 FAST_MODULES = frozenset(
     {
         "test_audit",
+        "test_choice",
         "test_cli_umask",
         "test_api_docs",
         "test_config_api",

@@ -14,7 +14,9 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
+import unbroken
 from tests._store_helpers import REPO, assert_same, make_registry, restore, save, snapshot, train
 from unbroken.store import CheckpointStore
 from unbroken.store._snapshot import SnapshotArea, persist
@@ -135,3 +137,55 @@ def test_a_too_small_shared_memory_turns_snapshots_off(tmp_path):
         assert "durable saves only" in (area.disabled or "") and str(mnt) in area.disabled
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def _snapshotting_run(run_dir, **kw):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = unbroken.Run(
+        str(run_dir),
+        model=model,
+        optimizer=opt,
+        save_every=2,
+        snapshot_every=1,
+        handle_signals=False,
+        progress=False,
+        **kw,
+    )
+    return run, model, opt
+
+
+def _steps(run, model, opt, n):
+    for _ in range(n):
+        g = torch.Generator().manual_seed(run.counters.step)
+        model(torch.randn(3, 4, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        run.step(loss=float(run.counters.step))
+
+
+def test_a_snapshot_the_supervisor_did_not_keep_is_kept_by_the_next_trainer(tmp_path, monkeypatch):
+    """The trainer died after step 5 (durable: step 4; in memory: step 5) and its supervisor
+    could not keep the snapshot: the next trainer given the same area commits it into the run
+    directory itself, as the supervisor would have, and continues from step 5 -- exactly."""
+    area = tmp_path / "area"
+    area.mkdir(mode=0o700)
+    ref, ref_model, ref_opt = _snapshotting_run(tmp_path / "ref")
+    _steps(ref, ref_model, ref_opt, 7)
+    ref.close()
+    monkeypatch.setenv("UNBROKEN_SNAPSHOT_DIR", str(area))
+    run, model, opt = _snapshotting_run(tmp_path / "run")
+    _steps(run, model, opt, 5)
+    run.close()  # as if it had died: close() saves nothing
+    assert [s for s, _ in unbroken.store.scan(str(tmp_path / "run"))] == [4, 2]
+    run, model, opt = _snapshotting_run(tmp_path / "run")
+    assert run.resumed_from == 5
+    assert [s for s, _ in unbroken.store.scan(str(tmp_path / "run"))] == [5, 4, 2]
+    CheckpointStore(str(tmp_path / "run")).open(5).verify()  # a verified, committed copy
+    _steps(run, model, opt, 2)
+    run.close()
+    assert torch.equal(model.weight, ref_model.weight)
+    assert unbroken.read_metrics(str(tmp_path / "run")) == unbroken.read_metrics(
+        str(tmp_path / "ref")
+    )

@@ -40,6 +40,7 @@ from .._errors import (
 )
 from .._logfile import METRICS_FILE
 from . import _fsops, _layout, _manifest, _remote_fetch, _s3
+from ._entry import REMOTE, Entry
 from ._reader import CheckpointReader
 from ._remote_reader import RemoteReader
 from ._store import Listing, Retention
@@ -117,15 +118,28 @@ class RemoteStore:
             )
         return out
 
-    def latest(self, *, checksums: bool = False, below: int | None = None) -> RemoteReader | None:
-        """The newest checkpoint (below ``below``) whose manifest and sizes verify (with
-        ``checksums``, every byte too). None when there is none at all; checkpoints none of
-        which verifies raise CorruptCheckpointError: never a fresh start over them."""
+    def entries(self) -> list[Entry]:
+        """Every checkpoint (a folder with a manifest), newest first, not read yet
+        (train/_choice.py)."""
+        return [Entry(s, REMOTE, self.objects.where(self._folder(s))) for s in self.committed()]
+
+    def verdict(self, entry: Entry, *, checksums: bool = False) -> Entry:
+        """``entry`` verified: its manifest and sizes (with ``checksums``, every byte too)."""
+        try:
+            self.reader(entry.step, self.scan_step(entry.step)).verify(checksums=checksums)
+        except RemoteStoreError:
+            raise
+        except CheckpointError as e:
+            return entry.unusable(str(e))
+        return entry.verified()
+
+    def latest(self, *, checksums: bool = False) -> RemoteReader | None:
+        """The newest checkpoint whose manifest and sizes verify (with ``checksums``, every
+        byte too). None when there is none at all; checkpoints none of which verifies raise
+        CorruptCheckpointError: never a fresh start over them."""
         scan = self.scan()
         failures = []
         for step in self.committed(scan):
-            if below is not None and step >= below:
-                continue
             try:
                 r = self.reader(step, scan[step])
                 r.verify(checksums=checksums)

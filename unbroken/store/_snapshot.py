@@ -38,6 +38,7 @@ from .._logfile import METRICS_FILE
 from .._shm import ENV as ENV
 from .._shm import SHM
 from . import _fsops, _layout, _manifest, _storage
+from ._entry import SNAPSHOT, Entry
 from ._lock import WriterLock
 from ._nodes import NodeLayout, save_part
 from ._reader import CheckpointReader
@@ -166,6 +167,38 @@ class SnapshotArea:
         """Unmap the slots (the files stay: the supervisor persists or removes them)."""
         self.slots.close()
 
+    def entries(self) -> list[Entry]:
+        """The snapshots in the area, newest first, not read yet (train/_choice.py)."""
+        return [Entry(step, SNAPSHOT, path) for step, path in _layout.scan(self.root)]
+
+    def verdict(self, entry: Entry, run_dir: str) -> Entry:
+        """``entry`` verified from its metadata (the JSON files' checksums, the data files'
+        sizes), as a snapshot of ``run_dir`` that this area holds whole."""
+        try:
+            snap = CheckpointReader(entry.where)
+            _check_run_dir(snap, run_dir)
+            if not all(_is_file(snap.path, name) for name in snap.manifest["files"]):
+                return entry.unusable(
+                    "this node's area holds only its part of it (a job over several nodes)"
+                )
+            snap.verify(checksums=True, data=False)
+        except (CheckpointError, OSError) as e:
+            return entry.unusable(str(e))
+        return entry.verified()
+
+    def keep(self, step: int, run_dir: str) -> str:
+        """Commit snapshot ``step`` into ``run_dir`` as the supervisor would have after the
+        trainer's death (:func:`persist`), by the caller that holds the run directory's lock:
+        copied, the copy verified (every checksum), fsynced, renamed into place. Returns the
+        committed path; raises CheckpointError when the copy does not verify."""
+        snap = CheckpointReader(os.path.join(self.store.root, _layout.step_name(step)))
+        _check_run_dir(snap, run_dir)
+        path = _commit_copy(snap, run_dir)
+        metrics = os.path.join(run_dir, METRICS_FILE)
+        if os.path.isfile(metrics) and not os.path.islink(metrics):
+            _fsops.fsync_file(metrics)  # the log the snapshot records must survive with it
+        return path
+
     def matching(self, reader: CheckpointReader) -> CheckpointReader | None:
         """The snapshot that is ``reader``'s checkpoint (same manifest), if the area holds it."""
         path = os.path.join(self.store.root, _layout.step_name(reader.step))
@@ -239,11 +272,7 @@ def _persist_newest(candidates: list[tuple[int, str]], run_dir: str) -> int | No
     for step, path in candidates:
         try:
             snap = CheckpointReader(path)
-            named = snap.meta.get("run_dir")
-            if named is not None and os.path.abspath(str(named)) != os.path.abspath(run_dir):
-                raise CheckpointError(
-                    f"it is a snapshot of {named!r}, not of {run_dir}; not persisted there"
-                )
+            _check_run_dir(snap, run_dir)
             if all(_is_file(snap.path, name) for name in snap.manifest["files"]):
                 _commit_copy(snap, run_dir)
                 return step
@@ -258,6 +287,14 @@ def _persist_newest(candidates: list[tuple[int, str]], run_dir: str) -> int | No
         except CheckpointError as e:
             log.warning("unbroken: in-memory snapshot %s not persisted: %s", path, e)
     return None
+
+
+def _check_run_dir(snap: CheckpointReader, run_dir: str) -> None:
+    named = snap.meta.get("run_dir")
+    if named is not None and os.path.abspath(str(named)) != os.path.abspath(run_dir):
+        raise CheckpointError(
+            f"it is a snapshot of {named!r}, not of {run_dir}; not persisted there"
+        )
 
 
 def _is_file(directory: str, name: str) -> bool:
@@ -307,9 +344,9 @@ def _merge_part(snap: CheckpointReader, run_dir: str) -> bool:
     return True
 
 
-def _commit_copy(snap: CheckpointReader, run_dir: str) -> None:
+def _commit_copy(snap: CheckpointReader, run_dir: str) -> str:
     """The durable commit protocol for files that already exist: copy, verify the copy (every
-    checksum, the table, the file set), fsync, rename."""
+    checksum, the table, the file set), fsync, rename; returns the committed path."""
     root = _layout.checkpoints_dir(run_dir)
     os.makedirs(root, exist_ok=True)
     tmp = os.path.join(root, _layout.tmp_name(snap.step))
@@ -334,6 +371,7 @@ def _commit_copy(snap: CheckpointReader, run_dir: str) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return final
 
 
 # ---- the supervisor's side ----------------------------------------------------------------------

@@ -33,6 +33,7 @@ from .._errors import (
 from .._logfile import open_regular
 from ..state import Payload
 from . import _fsops, _layout, _manifest, _storage
+from ._entry import LOCAL, Entry
 from ._reader import CheckpointReader
 
 log = _log.get("store")
@@ -145,6 +146,22 @@ class CheckpointStore:
             pinned = os.path.exists(os.path.join(path, _layout.PINNED))
             out.append(Listing(step, path, valid, reason, size, mtime, pinned, saved_at))
         return out, vanished
+
+    def entries(self) -> list[Entry]:
+        """Every checkpoint directory, newest first, not read yet (train/_choice.py)."""
+        return [Entry(step, LOCAL, path) for step, path in _layout.scan(self.run_dir)]
+
+    def verdict(self, entry: Entry, *, checksums: bool = True, data: bool = True) -> Entry | None:
+        """``entry`` verified (see :meth:`latest` for ``data``); None when it is gone."""
+        try:
+            CheckpointReader(entry.where).verify(checksums=checksums, data=data)
+        except (CheckpointError, OSError) as e:
+            if _vanished(entry.where):
+                return None
+            if not isinstance(e, CheckpointError):
+                raise
+            return entry.unusable(str(e))
+        return entry.verified()
 
     def latest(self, *, checksums: bool = True, data: bool = True) -> CheckpointReader | None:
         """The newest checkpoint that verifies; each unusable newer one is reported by name.
@@ -360,21 +377,18 @@ class CheckpointStore:
             deleted.append(s)
         return deleted
 
-    def supersede_newer(self, step: int, *, unusable: bool = False) -> list[str]:
-        """Move checkpoints newer than ``step`` aside (resuming an older step forks history;
-        ``unusable``: the newer ones could not be loaded). Nothing is deleted, so neither a
-        re-save of their step nor retention can destroy them."""
-        prefix = "unusable" if unusable else "superseded"
-        moved = [self._aside(p, s, prefix) for s, p in _layout.scan(self.run_dir) if s > step]
+    def supersede_newer(self, step: int) -> list[str]:
+        """Move checkpoints newer than ``step`` aside (resuming an older step forks history).
+        Nothing is deleted, so neither a re-save of their step nor retention can destroy
+        them."""
+        moved = [self._aside(p, s, "superseded") for s, p in _layout.scan(self.run_dir) if s > step]
         if moved:
-            why = "they could not be loaded" if unusable else "history forks there"
             _log.event(
                 log,
                 logging.WARNING,
-                "unbroken: resumed from step %d and %s, so newer checkpoints were moved aside "
-                "(not deleted): %s",
+                "unbroken: resumed from step %d and history forks there, so newer checkpoints "
+                "were moved aside (not deleted): %s",
                 step,
-                why,
                 moved,
                 step=step,
             )
@@ -382,15 +396,17 @@ class CheckpointStore:
 
     def set_aside(self, step: int, why: str) -> str | None:
         """Move the checkpoint of ``step`` aside as unusable (``why``: what failed), not
-        deleted; returns where it went (None: there is none)."""
+        deleted -- so that neither saving its step again nor retention destroys it; returns
+        where it went (None: there is none)."""
         for s, p in _layout.scan(self.run_dir):
             if s == step:
                 target = self._aside(p, s, "unusable")
                 _log.event(
                     log,
                     logging.WARNING,
-                    "unbroken: checkpoint of step %d %s; moved aside (not deleted): %s",
-                    step,
+                    "unbroken: skipping unusable checkpoint %s: %s; moved aside (not deleted) "
+                    "as %s",
+                    p,
                     why,
                     target,
                     step=step,

@@ -1,11 +1,11 @@
-"""The remote tier of one run: which tier to resume from, and uploads in the background.
+"""The remote tier of one run: fetching the checkpoint to resume from, uploads in the background.
 
 The run calls, on rank 0 (the one that owns the run directory)::
 
     tier = RemoteTier(url, run_dir, store, retention)   reachable? (else RemoteStoreError)
-    tier.resume_step(...)      the newest checkpoint that verifies in the local directory or
-                               the remote store; a newer remote one is fetched into the local
-                               directory first (rebuilding it), a newer local one is uploaded
+    tier.fetch(step)           resuming from a remote checkpoint (train/_choice.py chooses):
+                               fetched into the local directory first, rebuilding it
+    tier.resumed(step, ...)    resuming from a local one: uploaded unless the store has it
     tier.after_commit(step)    after each local commit: upload it in the background, and
                                apply local retention, keeping what is not uploaded yet
     tier.wait_durable()        at the end: the newest checkpoint is in the store, or an error
@@ -25,10 +25,10 @@ import threading
 import time
 
 from .. import _log
-from .._errors import CheckpointError, ConfigError, CorruptCheckpointError, RemoteStoreError
+from .._errors import RemoteStoreError
 from .._logfile import METRICS_FILE
 from . import _layout
-from ._remote import UNUSABLE, RemoteStore
+from ._remote import RemoteStore
 from ._store import CheckpointStore, Retention
 
 log = _log.get("store")
@@ -59,112 +59,39 @@ class RemoteTier:
         except RemoteStoreError as e:  # some stores do not let us list uploads: not fatal
             log.debug("unbroken: could not clean up unfinished uploads in %s: %s", self.url, e)
 
-    # ---- resuming -----------------------------------------------------------------------------
+    # ---- resuming (chosen in train/_choice.py, carried out by train/_resume.py) ------------
 
-    def resume_step(self, want: bool | int, *, checksums: bool, data: bool) -> int | None:
-        """The step to resume from (``want``: True for the newest, or a step), fetched into
-        the local directory if only the store has it. Raises when checkpoints exist and none
-        verifies in any tier -- never a fresh start over them."""
-        if want is not True:
-            return self._resume_exact(int(want), checksums)
-        local, local_error = None, None
-        try:
-            local = self.store.latest(checksums=checksums, data=data)
-        except CorruptCheckpointError as e:
-            local_error = e
-        floor = local.step if local is not None else -1
-        step = self._fetch_newer(floor)
-        if step is None:
-            if local is None:
-                if local_error is not None:
-                    raise local_error
-                return None
-            step = local.step
-            self._upload_if_missing(step)
-        self.store.supersede_newer(step, unusable=True)
-        return step
+    def fetch(self, step: int) -> None:
+        """Fetch remote checkpoint ``step`` into the local directory (every byte verified as it
+        lands, committed like a local save); raises one of ``UNUSABLE`` when it does not
+        verify, RemoteStoreError when the store cannot be read."""
+        t0 = time.perf_counter()
+        self.remote.fetch(step, self.run_dir)
+        _log.event(
+            log,
+            logging.INFO,
+            "unbroken: fetched step %d from %s into %s in %.2f s",
+            step,
+            self.url,
+            self.store.root,
+            time.perf_counter() - t0,
+            step=step,
+        )
+        self._durable = step
 
-    def _fetch_newer(self, floor: int) -> int | None:
-        """Fetch the newest remote checkpoint newer than ``floor`` whose every byte verifies
-        (an older one if a newer one does not); None when the store has none newer."""
-        below: int | None = None
-        while True:
-            try:
-                remote = self.remote.latest(below=below)
-            except CorruptCheckpointError as e:
-                if floor >= 0:  # the local tier has one: use it, and say why
-                    log.warning("unbroken: %s; resuming from the local checkpoint", e)
-                    return None
-                raise
-            if remote is None or remote.step <= floor:
-                if remote is not None:
-                    self._durable = remote.step
-                return None
-            t0 = time.perf_counter()
-            try:
-                self.remote.fetch(remote.step, self.run_dir)
-            except UNUSABLE as e:
-                _log.event(
-                    log,
-                    logging.WARNING,
-                    "unbroken: remote checkpoint %s failed verification while fetched: %s; "
-                    "trying an earlier one",
-                    remote.path,
-                    e,
-                    step=remote.step,
-                    path=remote.path,
-                )
-                below = remote.step
-                continue
-            _log.event(
-                log,
-                logging.INFO,
-                "unbroken: fetched step %d from %s into %s in %.2f s",
-                remote.step,
-                self.url,
-                self.store.root,
-                time.perf_counter() - t0,
-                step=remote.step,
-            )
-            self._durable = remote.step
-            return remote.step
-
-    def _resume_exact(self, step: int, checksums: bool) -> int:
-        try:
-            self.store.open(step, checksums=checksums)
-            self._upload_if_missing(step)
-        except CheckpointError as local_error:
-            try:
-                self.remote.open(step)
-            except RemoteStoreError:
-                raise
-            except CheckpointError:
-                raise local_error from None
-            self.remote.fetch(step, self.run_dir)
+    def resumed(self, step: int, *, in_store: bool) -> None:
+        """The run resumes from local checkpoint ``step``: complete in the store already
+        (``in_store``), or uploaded in the background."""
+        if in_store:
             self._durable = step
-        self.store.supersede_newer(step)
-        self.remote.supersede_newer(step)
-        return step
+        else:
+            self._upload_if_missing(step)
 
     def _upload_if_missing(self, step: int) -> None:
         """The local checkpoint resumed from is newer than the store's newest (the run was
         stopped before its upload finished, or the supervisor persisted a snapshot)."""
         if self._durable is None or self._durable < step:
             self._queue(step)
-
-    def refuse_fresh_start(self, start_over: bool) -> None:
-        """``resume=False`` refuses a store with checkpoints; ``start_over`` moves them aside."""
-        steps = self.remote.committed()
-        if not steps:
-            return
-        if start_over:
-            self.remote.supersede_newer(-1)
-            return
-        raise ConfigError(
-            f"resume=False but {self.remote.root} already holds checkpoints (steps "
-            f"{steps[:5]}...); use another remote prefix, resume=True, or start_over=True "
-            "(moves them aside)"
-        )
 
     # ---- uploading ----------------------------------------------------------------------------
 

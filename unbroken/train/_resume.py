@@ -1,10 +1,14 @@
-"""Which checkpoint a starting run resumes from -- and what it refuses to do instead.
+"""Resuming a starting run: the choice carried out, and the chosen checkpoint restored.
 
-A run directory whose checkpoints none of which loads is an error, never a fresh start (a
-reader that cannot read what an older version wrote must not let retention delete it);
-starting over is an explicit ``start_over=True``, which moves everything aside. Then how the
-chosen checkpoint is restored: the saved stage's model built first, every component loaded,
-and the previous checkpoint loaded over a load that failed its checksums on any rank.
+Rank 0 lists what each tier holds (the run directory, the store of ``remote=``, the in-memory
+snapshot area) and :func:`~._choice.choose` decides, from metadata only, which step the run
+continues from -- never a fresh start over checkpoints none of which loads; starting over is an
+explicit ``start_over=True``, which moves everything aside. Rank 0 carries the decision out
+(moves aside, fetches or keeps the step in the run directory) and tells every rank, and every
+rank loads it -- the saved stage's model built first, every component loaded, each rank
+verifying the chunks it reads. A step that cannot be brought into the run directory, or whose
+load fails its checksums on any rank, is marked unusable in the listings and the choice is made
+again: one fallback loop, every rank loading the next choice over the partly written tensors.
 """
 
 from __future__ import annotations
@@ -12,24 +16,37 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import _dist, _log
-from .._errors import ConfigError, CorruptCheckpointError, StateError
+from .._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    StateError,
+    UnsafeCheckpointError,
+)
 from ..data._seeding import derive, seed_globals
 from ..state import Counters, Registry
 from ..store import CheckpointReader, CheckpointStore, _layout
+from ..store._entry import LOCAL, REMOTE, SNAPSHOT, Entry
 from ..store._manifest import rank_file
+from ._choice import Decision, Listings, choose
 from ._config import RunConfig
 from ._metrics import METRICS_FILE
 from ._snapshots import Snapshots
 from ._tree_peek import saved_stage
 
 if TYPE_CHECKING:
+    from ..store._snapshot import SnapshotArea
     from ..store._tier import RemoteTier
 
 log = _log.get("run")
+UNUSABLE = (CorruptCheckpointError, UnsafeCheckpointError, CheckpointNotFoundError)
+"""What makes a step that another tier holds unusable when it is brought into the run directory
+(a RemoteStoreError -- the store cannot be read -- is raised instead)."""
 
 
 @dataclass
@@ -55,52 +72,27 @@ class Resumer:
     either tier wins."""
     extended_to: str | None = None
     """Set when the checkpoint was of a complete run that ``max_steps`` now extends."""
+    _listings: Listings | None = field(default=None, init=False, repr=False)
+    """Rank 0's: what the tiers hold, as verified and marked so far."""
 
     def resume(self) -> int | None:
-        step = self._choose()
-        if step is None:
-            if self.config.seed is not None:
-                seed_globals(derive(self.config.seed, self.rank))
-            return None
-        return self._load_or_fall_back(step)
-
-    def _choose(self, unusable: int | None = None) -> int | None:
-        """Rank 0 picks the step from metadata only (manifests, tables, the small files'
-        checksums) and tells every rank; ``unusable``: a step that failed to load, moved
-        aside first."""
-        choice: tuple[int | None, str | None, bool] = (None, None, False)
-        if self.rank == 0:
-            try:
-                if unusable is not None:
-                    self.store.set_aside(unusable, "failed its checksums while loading")
-                # Data files are verified by the loads, each rank the chunks it reads.
-                metrics = os.path.join(self.store.run_dir, METRICS_FILE)
-                choice = (
-                    pick_step(self.store, self.config, metrics, False, self.remote()),
-                    None,
-                    False,
-                )
-            except Exception as e:
-                if self.world_size == 1:
-                    raise
-                # Told to every rank, then raised.
-                choice = (None, f"{type(e).__name__}: {e}", isinstance(e, CorruptCheckpointError))
-        step, error, corrupt = _dist.broadcast_object(choice, what="resume choice")
-        if error is not None:
-            what = "choosing the checkpoint to resume from failed on rank 0"
-            raise (CorruptCheckpointError if corrupt else ConfigError)(f"{what}: {error}")
-        return step
-
-    def _load_or_fall_back(self, step: int) -> int:
-        """Load ``step`` on every rank, each verifying the chunks it reads; if any rank's load
-        fails its checksums, every rank loads the newest earlier checkpoint that loads over
-        it (the bad one moved aside), so no rank trains on a state the others do not share."""
         tries: dict[int, int] = {}
-        while True:
+        while True:  # the one fallback loop: mark what failed, choose again
+            step, again = self._choose()
+            if again:
+                continue  # the chosen step could not be brought into the run directory
+            if step is None:
+                if self.config.seed is not None:
+                    seed_globals(derive(self.config.seed, self.rank))
+                return None
             tries[step] = tries.get(step, 0) + 1
             failed = self._attempt(step)
             if not failed:
                 return step
+            # Any rank's load failed its checksums: every rank loads the next choice over it
+            # (the live tensors were partly overwritten), so no rank trains on a state the
+            # others do not share. A step that fails twice (a remote copy fetched again and
+            # failing too) or an explicit resume=STEP is an error.
             path = os.path.join(self.store.root, _layout.step_name(step))
             said = _by_reason(failed)
             if self.config.resume is not True or tries[step] > 1:
@@ -118,11 +110,182 @@ class Resumer:
                     step=step,
                     path=path,
                 )
-            # The live tensors were partly overwritten: the next checkpoint is loaded over all.
-            nxt = self._choose(unusable=step)
-            if nxt is None:
-                raise CorruptCheckpointError(f"no checkpoint in {self.store.root} loads")
-            step = nxt
+                assert self._listings is not None
+                why = f"failed its checksums while loading ({said})"
+                # What was read: the run directory's copy, or this node's snapshot of it.
+                marked = self._listings.unusable(LOCAL, step, why)
+                self._listings = marked.unusable(SNAPSHOT, step, why)
+
+    def _choose(self) -> tuple[int | None, bool]:
+        """Rank 0 chooses from metadata only and carries the choice out, then tells every
+        rank: (the step, None for a fresh start; whether to choose again)."""
+        outcome: tuple[int | None, bool, str | None, bool] = (None, False, None, False)
+        if self.rank == 0:
+            try:
+                outcome = (*self._decide(), None, False)
+            except Exception as e:
+                if self.world_size == 1:
+                    raise
+                # Told to every rank, then raised.
+                said = f"{type(e).__name__}: {e}"
+                outcome = (None, False, said, isinstance(e, CorruptCheckpointError))
+        step, again, error, corrupt = _dist.broadcast_object(outcome, what="resume choice")
+        if error is not None:
+            what = "choosing the checkpoint to resume from failed on rank 0"
+            raise (CorruptCheckpointError if corrupt else ConfigError)(f"{what}: {error}")
+        return step, again
+
+    # ---- rank 0: the choice and carrying it out ---------------------------------------------
+
+    def _area(self) -> SnapshotArea | None:
+        """This node's snapshot area, when it holds whole snapshots (one node)."""
+        area = self.snapshots.area if self.snapshots is not None else None
+        return area if area is not None and area.layout is None else None
+
+    def _list(self) -> Listings:
+        """What each tier holds, nothing verified yet."""
+        tier, area = self.remote(), self._area()
+        return Listings(
+            local=tuple(self.store.entries()),
+            local_root=self.store.root,
+            remote=None if tier is None else tuple(tier.remote.entries()),
+            remote_root="" if tier is None else tier.remote.root,
+            snapshot=() if area is None else tuple(area.entries()),
+        )
+
+    def _verify(self, listings: Listings, entry: Entry) -> Listings:
+        """``entry`` verified from its metadata: the JSON files' checksums, the data files'
+        sizes (their checksums are the loads', each rank the chunks it reads; an explicit
+        ``resume=STEP`` checks every byte first)."""
+        cfg = self.config
+        if entry.tier == LOCAL:
+            exact = cfg.resume is not True
+            checked = self.store.verdict(entry, checksums=cfg.verify_checksums, data=exact)
+            if checked is None:  # gone while read
+                return listings.without(LOCAL, entry.step)
+        elif entry.tier == REMOTE:
+            tier = self.remote()
+            assert tier is not None
+            checked = tier.remote.verdict(entry)
+        else:
+            area = self._area()
+            assert area is not None
+            checked = area.verdict(entry, self.store.run_dir)
+        return listings.replaced(checked)
+
+    def _decide(self) -> tuple[int | None, bool]:
+        """Choose, and carry the choice out: (step, again) -- ``again`` when the chosen step
+        could not be brought into the run directory (marked unusable: choose again)."""
+        cfg = self.config
+        listings = self._listings if self._listings is not None else self._list()
+        decision = choose(listings, resume=cfg.resume, start_over=cfg.start_over)
+        while decision.check:  # verdicts it needs (not a fallback: nothing failed yet)
+            for entry in decision.check:
+                listings = self._verify(listings, entry)
+            decision = choose(listings, resume=cfg.resume, start_over=cfg.start_over)
+        self._listings = listings
+        return self._carry_out(decision)
+
+    def _carry_out(self, d: Decision) -> tuple[int | None, bool]:
+        tier = self.remote()
+        if d.abandon:
+            if tier is not None and d.supersede:
+                tier.remote.supersede_newer(-1)
+            self.store.abandon(extra=[os.path.join(self.store.run_dir, METRICS_FILE)])
+            return None, False
+        for e in d.skipped:
+            what = "remote checkpoint" if e.tier == REMOTE else "in-memory snapshot"
+            _log.event(
+                log,
+                logging.WARNING,
+                "unbroken: skipping unusable %s of step %d (%s): %s",
+                what,
+                e.step,
+                e.where,
+                e.why,
+                step=e.step,
+            )
+        if d.step is None:
+            return None, False
+        step = d.step
+        # Moved aside: the unusable local copy of the chosen step before another tier's copy
+        # takes its place, the newer ones once it is in place.
+        for e in d.set_aside:
+            if e.step == step:
+                self._set_aside(e)
+        if d.source in (REMOTE, SNAPSHOT) and not self._bring(d):
+            return None, True
+        for e in d.set_aside:
+            if e.step != step:
+                self._set_aside(e)
+        if any(e.tier == LOCAL for e in d.supersede):
+            self.store.supersede_newer(step)
+            for e in d.supersede:
+                if e.tier == LOCAL:
+                    self._drop(e)
+        if tier is not None:
+            if any(e.tier == REMOTE for e in d.supersede):
+                tier.remote.supersede_newer(step)
+            if d.source != REMOTE:
+                tier.resumed(step, in_store=not d.upload)
+        return step, False
+
+    def _set_aside(self, e: Entry) -> None:
+        self.store.set_aside(e.step, e.why)
+        self._drop(e)
+
+    def _drop(self, e: Entry) -> None:
+        assert self._listings is not None
+        self._listings = self._listings.without(e.tier, e.step)
+
+    def _bring(self, d: Decision) -> bool:
+        """Fetch (REMOTE) or commit (SNAPSHOT) step ``d.step`` into the run directory; False
+        when it does not verify (it is marked unusable, and said)."""
+        assert d.step is not None and self._listings is not None
+        step, tier, area = d.step, self.remote(), self._area()
+        try:
+            if d.source == REMOTE:
+                assert tier is not None
+                tier.fetch(step)
+            else:
+                assert area is not None
+                try:
+                    kept = area.keep(step, self.store.run_dir)
+                except (CheckpointError, OSError) as e:  # not kept: as when the supervisor
+                    raise CorruptCheckpointError(str(e)) from e  # could not keep it either
+                _log.event(
+                    log,
+                    logging.INFO,
+                    "unbroken: the in-memory snapshot of step %d is newer than the checkpoints "
+                    "(the supervisor did not keep it); committed it as %s",
+                    step,
+                    kept,
+                    step=step,
+                    path=kept,
+                )
+        except UNUSABLE as e:
+            what = "remote checkpoint" if d.source == REMOTE else "in-memory snapshot"
+            where = next(
+                x.where for x in self._listings.all() if (x.tier, x.step) == (d.source, step)
+            )
+            _log.event(
+                log,
+                logging.WARNING,
+                "unbroken: %s %s failed verification while %s: %s; trying an earlier one",
+                what,
+                where,
+                "fetched" if d.source == REMOTE else "copied into the run directory",
+                e,
+                step=step,
+                path=where,
+            )
+            assert d.source is not None
+            self._listings = self._listings.unusable(d.source, step, str(e))
+            return False
+        # Verified as it was copied: the run directory's copy of the step.
+        path = os.path.join(self.store.root, _layout.step_name(step))
+        self._listings = self._listings.replaced(Entry(step, LOCAL, path, ok=True))
+        return True
 
     def _attempt(self, step: int) -> list[tuple[int, str]]:
         """Restore ``step`` on this rank; returns every rank's checksum failure (rank, why),
@@ -229,45 +392,3 @@ def _by_reason(failed: list[tuple[int, str]]) -> str:
         f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {why}"
         for why, rs in ranks.items()
     )
-
-
-def pick_step(
-    store: CheckpointStore,
-    config: RunConfig,
-    metrics_path: str,
-    data: bool = True,
-    remote: RemoteTier | None = None,
-) -> int | None:
-    """The step to resume from (None: a fresh start); rank 0 only, holding the lock.
-    ``data=False``: format-2 data files are verified by the loads instead (one pass, each rank
-    the chunks it reads), so that picking reads metadata only.
-    ``remote``: the newest step that verifies in either tier (store/_tier.py)."""
-    want = config.resume
-    if config.start_over:
-        if remote is not None:
-            remote.refuse_fresh_start(start_over=True)
-        store.abandon(extra=[metrics_path])
-        return None
-    if want is False:
-        if store.listing(checksums=False):
-            raise ConfigError(
-                f"resume=False but {store.root} already holds checkpoints; use another run "
-                "directory, resume=True, or start_over=True (moves them aside)"
-            )
-        if remote is not None:
-            remote.refuse_fresh_start(start_over=False)
-        return None
-    if remote is not None:
-        return remote.resume_step(want, checksums=config.verify_checksums, data=data)
-    if want is True:
-        # Raises when checkpoints exist and none loads: never a fresh start over them.
-        latest = store.latest(checksums=config.verify_checksums, data=data)
-        if latest is None:
-            return None
-        # Newer ones were unusable: move them aside, so that neither saving their step again
-        # nor retention destroys them.
-        store.supersede_newer(latest.step, unusable=True)
-        return latest.step
-    step = store.open(int(want), checksums=config.verify_checksums).step
-    store.supersede_newer(step)
-    return step
