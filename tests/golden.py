@@ -141,11 +141,14 @@ def run_interrupted(
     run_dir: Path,
     interrupts: list[tuple[Any, ...]],
     resume_args: list[str] | None = None,
+    must_resume: bool = True,
 ) -> None:
     """Run with each interrupt in turn (a fresh process each), then to completion.
 
     An interrupt is (step, signal) or (step, signal, phase); the phase is understood by
-    tests/scripts/interrupt.py ("after" step K, or at the "start" of step K+1).
+    tests/scripts/interrupt.py ("after" step K, or at the "start" of step K+1). Every launch
+    over a run directory that holds a checkpoint must resume from one (its resume event), and
+    at least one must (``must_resume=False`` for a test of stops before the first save).
     """
     resumed = 0
     for step, sig, *phase in interrupts:
@@ -161,8 +164,11 @@ def run_interrupted(
     had = bool(interrupts) and has_checkpoint(run_dir)
     assert launch(script, [*final, "--run-dir", str(run_dir)]) == 0
     resumed += had and check_resumed(run_dir, "the final launch")
-    # A test whose every interrupt came before the first checkpoint compares nothing.
-    assert not interrupts or resumed, f"no relaunch resumed from a checkpoint: {interrupts}"
+    # A test whose every interrupt came before the first checkpoint compares no resume: only
+    # one that says so (``must_resume=False``: a fresh start after a stop) may do that.
+    assert not (interrupts and must_resume) or resumed, (
+        f"no relaunch resumed from a checkpoint: {interrupts}"
+    )
 
 
 def has_checkpoint(run_dir: Path) -> bool:
