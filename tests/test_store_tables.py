@@ -316,3 +316,16 @@ def test_coverage_agrees_with_counting_every_element() -> None:
         assert covers(shape, arr[:, 0], arr[:, 1], "t") == want, (shape, boxes)
         verdicts.append(want)
     assert 500 < sum(verdicts) < 2500  # both kinds, many of each
+
+
+def test_the_torch_free_dtype_names_are_torchs() -> None:
+    """A table is validated from dtype names and their sizes (store/_format.DTYPE_ITEMSIZE), so
+    that listing a run directory imports no torch; each name is torch's dtype of that size."""
+    from unbroken.store import _format
+
+    for name, size in _format.DTYPE_ITEMSIZE.items():
+        dtype = getattr(torch, name)
+        assert isinstance(dtype, torch.dtype) and str(dtype) == f"torch.{name}"
+        assert dtype.itemsize == size, name
+    assert list(_format.DTYPES) == list(_format.DTYPE_ITEMSIZE)
+    assert _format.DTYPE_NAMES == {d: n for n, d in _format.DTYPES.items()}

@@ -9,14 +9,17 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._errors import CheckpointError, CorruptCheckpointError
-from ..state import TensorInfo, _tree
-from . import _format, _layout, _manifest, _storage
+from ..state import _tree
+from . import _format, _layout, _manifest, _tablefile
 from ._table import Table
+
+if TYPE_CHECKING:  # listing and verifying a checkpoint needs no torch (`unbroken ls`)
+    import torch
+
+    from ..state import TensorInfo
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -186,10 +189,12 @@ class CheckpointReader:
         _manifest.verify_files(self.path, self.manifest, checksums=checksums, skip=skip)
 
     def _io_table(self, sizes: dict[str, int]) -> Table:
-        return _storage.read_table(self.path, sizes)
+        return _tablefile.read_table(self.path, sizes)
 
     def _io_verify_data(self, table: Table) -> None:
-        _storage.verify_data(self.path, table, self.manifest["files"])
+        _tablefile.verify_data(self.path, table, self.manifest["files"])
 
     def _io_load(self, table: Table, targets: dict[str, torch.Tensor], verify: bool) -> None:
+        from . import _storage
+
         _storage.load_tensors(self.path, table, targets, verify)
