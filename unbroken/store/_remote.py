@@ -42,7 +42,7 @@ from .._logfile import METRICS_FILE
 from . import _fsops, _layout, _manifest, _remote_fetch, _s3
 from ._reader import CheckpointReader
 from ._remote_reader import RemoteReader
-from ._store import Listing, Retention
+from ._store import Listing, Retention, _number
 
 log = _log.get("store")
 Scan = dict[int, dict[str, tuple[int, float]]]
@@ -100,21 +100,21 @@ class RemoteStore:
         out = []
         for step in self.committed(scan):
             files = scan[step]
-            valid, reason, size = True, "", 0
+            valid, reason, saved_at = True, "", None
             try:
                 r = self.reader(step, files)
+                saved_at = _number(r.manifest.get("saved_at_unix"))  # the manifest parsed
                 r.verify(checksums=checksums)
-                size = r.size_bytes()
             except RemoteStoreError:
                 raise
             except CheckpointError as e:
                 valid, reason = False, str(e)
+            # What the folder holds in the store, as a local listing sums the files on disk
+            # (a corrupt checkpoint's objects too).
+            size = sum(size for size, _ in files.values())
             mtime = files[_manifest.MANIFEST][1]
-            out.append(
-                Listing(
-                    step, self.objects.where(self._folder(step)), valid, reason, size, mtime, False
-                )
-            )
+            where = self.objects.where(self._folder(step))
+            out.append(Listing(step, where, valid, reason, size, mtime, False, saved_at))
         return out
 
     def latest(self, *, checksums: bool = False, below: int | None = None) -> RemoteReader | None:
