@@ -303,3 +303,26 @@ def test_ls_does_not_import_torch(run, verify):
     rows = {r["step"]: r for r in json.loads(proc.stdout)}
     assert sorted(rows) == [1, 2, 3]
     assert rows[3]["valid"] is (verify == "sizes") and rows[2]["valid"] and rows[1]["pinned"]
+
+
+INSPECT_WITHOUT_TORCH = """
+import contextlib, io, json, sys
+from unbroken.cli import main
+for argv in ([sys.argv[1]], [sys.argv[1], "--json"]):
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main(["inspect", *argv]) == 0
+print(json.loads(out.getvalue())["step"], "torch" in sys.modules)
+"""
+
+
+def test_inspect_does_not_import_torch(rich_run):
+    """``inspect`` of a format 2 checkpoint shows shapes and dtypes from the table's columns
+    (dtype names), so it does not import torch either."""
+    proc = subprocess.run(
+        [sys.executable, "-c", INSPECT_WITHOUT_TORCH, rich_run],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert proc.stdout.split() == ["2", "False"], proc.stderr

@@ -194,10 +194,12 @@ def test_a_table_of_many_tiny_tensors_costs_less_than_twice_its_checkpoint(tiny)
     assert got["grown"] < 2 * size, (got, size)
 
 
-@pytest.mark.parametrize("op", ["resume", "read", "ls"])
+@pytest.mark.parametrize("op", ["resume", "read", "ls", "inspect", "inspect-json"])
 def test_an_inflated_table_costs_less_than_twice_its_checkpoint(tiny, op) -> None:
     """A table inflated to 100,000 entries beside a state that names ten of them: a resume,
-    what ``inspect`` reads and ``ls`` each peak below twice the checkpoint's size."""
+    what ``inspect`` reads, ``ls`` and ``inspect`` itself -- which shows every tensor of the
+    table, as a table or as JSON -- each peak below twice the checkpoint's size (``inspect``
+    built a Python row per tensor, then every line: 3-6x)."""
     (warmup, _), (run, size) = tiny["warmup"], tiny["inflated"]
     got = _cost(warmup, run, op)
     assert not got["outcome"].startswith("refused"), got

@@ -160,6 +160,13 @@ class CheckpointReader:
                 self._infos = self._table.infos()
         return self._infos
 
+    def tensor_table(self) -> Table | None:
+        """Format 2: the tensor table as read (compact columns: names, dtype names, shapes),
+        for a reader of every tensor's description that must not make an object per tensor
+        (``unbroken inspect``); None for format 1. Parses it if :meth:`tensor_infos` did not."""
+        self.tensor_infos()
+        return self._table
+
     @_located
     def load_tensors(self, targets: dict[str, torch.Tensor], *, verify: bool = True) -> None:
         """Fill ``targets`` from the payload; format 2 verifies every chunk read (``verify``)."""
