@@ -9,8 +9,8 @@ memory's growth during the second and how OP ended.
 the state files), restored into the module -- one buffer per tensor the state names, built
 before the measurement from state.json (a trainer has its model before it resumes).
 ``read`` is what ``inspect`` reads before it prints: the newest checkpoint that verifies, and
-every check a load runs (``check_contents``). ``inspect`` (``inspect-json``: with ``--json``) and ``ls`` are the commands, their
-output counted and dropped.
+every check a load runs (``check_contents``). ``inspect`` (``inspect-json``: with ``--json``)
+and ``ls`` are the commands, their output counted and dropped.
 """
 
 from __future__ import annotations
