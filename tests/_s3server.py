@@ -117,6 +117,11 @@ class FaultProxy(ThreadingHTTPServer):
 
     def reset(self) -> None:
         with self.lock:
+            thaw = getattr(self, "thaw", None)
+            if thaw is not None:
+                thaw.set()  # frozen requests end (their connections dropped)
+            self.thaw = threading.Event()
+            self.thaw.set()
             self.seen.clear()
             self.fail: list[tuple[re.Pattern[str], int, int]] = []  # (match, status, times)
             self.delay = 0.0
@@ -127,6 +132,12 @@ class FaultProxy(ThreadingHTTPServer):
             self.release = threading.Event()
             self.release.set()
             self.drop_held = False
+
+    def freeze(self) -> None:
+        """From now on every request is read and never answered, its connection held open
+        (a store that accepts connections and does not reply), until :meth:`reset`."""
+        with self.lock:
+            self.thaw = threading.Event()
 
     def fail_next(self, times: int, status: int = 503, match: str = ".") -> None:
         with self.lock:
@@ -180,11 +191,12 @@ class _Handler(BaseHTTPRequestHandler):
             if hold:
                 srv.hold_match = None
                 srv.held_line = line
-            delay, held, release = srv.delay, srv.held, srv.release
+            delay, held, release, thaw = srv.delay, srv.held, srv.release, srv.thaw
         if delay:
             time.sleep(delay)
         body = self._body(cut[1] if cut else None)
-        if body is None:
+        if body is None or not thaw.is_set():
+            thaw.wait()  # frozen: no answer until the test ends it
             self.close_connection = True
             _shutdown(self.connection)
             return

@@ -274,3 +274,55 @@ def test_entry_point(run):
     assert [r["step"] for r in json.loads(proc.stdout)] == [3, 2, 1]
     helptext = build_parser().format_help()
     assert "ls" in helptext and "inspect" in helptext
+
+
+LS_WITHOUT_TORCH = """
+import sys
+from unbroken.cli import main
+code = main(["ls", *sys.argv[1:]])
+print("TORCH" if "torch" in sys.modules else "NO-TORCH", code, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("verify", ["checksums", "sizes"])
+def test_ls_does_not_import_torch(run, verify):
+    """``unbroken ls`` reads manifests, the bounded tensor tables and checksums: it needs dtype
+    names and their sizes, not torch (whose import is seconds on a loaded machine). A corrupt
+    checkpoint and a pinned one are listed too."""
+    CheckpointStore(run).pin(1)
+    flip(os.path.join(ckpt(run, 3), "tensors-r00000.bin"))
+    argv = [run, "--json"] + (["--no-verify"] if verify == "sizes" else [])
+    proc = subprocess.run(
+        [sys.executable, "-c", LS_WITHOUT_TORCH, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert proc.stderr.strip().endswith("NO-TORCH 0"), proc.stderr
+    rows = {r["step"]: r for r in json.loads(proc.stdout)}
+    assert sorted(rows) == [1, 2, 3]
+    assert rows[3]["valid"] is (verify == "sizes") and rows[2]["valid"] and rows[1]["pinned"]
+
+
+INSPECT_WITHOUT_TORCH = """
+import contextlib, io, json, sys
+from unbroken.cli import main
+for argv in ([sys.argv[1]], [sys.argv[1], "--json"]):
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main(["inspect", *argv]) == 0
+print(json.loads(out.getvalue())["step"], "torch" in sys.modules)
+"""
+
+
+def test_inspect_does_not_import_torch(rich_run):
+    """``inspect`` of a format 2 checkpoint shows shapes and dtypes from the table's columns
+    (dtype names), so it does not import torch either."""
+    proc = subprocess.run(
+        [sys.executable, "-c", INSPECT_WITHOUT_TORCH, rich_run],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert proc.stdout.split() == ["2", "False"], proc.stderr

@@ -109,13 +109,13 @@ run = unbroken.Run(run_dir, model=model, loader=loader, **extra, **options)
 print(f"start {run.counters.step}", flush=True)
 
 if phase == "second-int":
-    from unbroken.store import _store
-    write = _store._storage.write_tensors
+    from unbroken.store import _storage
+    write = _storage.write_tensors
     def slow_write(*a, **k):
         if run._stop.requested:
             hold("in-stop-save", lambda: run._stop.count >= 2)  # the test presses Ctrl-C again
         return write(*a, **k)
-    _store._storage.write_tensors = slow_write
+    _storage.write_tensors = slow_write
 if phase == "after-stop-save":
     halt = type(run)._halt
     def halt_slowly(self, reason, **kw):

@@ -1,18 +1,17 @@
 """Two-node jobs on one machine (tests/nodes.py): two torchrun agents meeting through a c10d
-rendezvous on 127.0.0.1, each under its own ``unbroken run`` with its own snapshot area, as
-``srun`` starts one task per node. 1 rank per node, gloo; the run directory is shared.
-
-Checked: a scheduler's SIGTERM to every process of both nodes stops both with 75 and requeues
-the job once; a node lost mid-run (its whole tree SIGKILLed, its snapshot area gone) costs at
-most one step -- the other node holds a copy of its part of the newest snapshot -- and the
-relaunch, on two nodes or on one, ends bitwise equal to an uninterrupted run of the same world
-size; without snapshots the same loss costs every step since the last durable save.
-"""
+rendezvous on 127.0.0.1, each under its own ``unbroken run`` with its own snapshot area, as ``srun``
+starts one task per node. 1 rank per node, gloo; the run directory is shared. Checked: a scheduler's
+SIGTERM to every process of both nodes stops both with 75 and requeues the job once, by whichever
+node is left (node 0 lost included); a node lost mid-run (its whole tree SIGKILLed, its snapshot
+area gone) costs at most one step -- the other node holds a copy of its part of the newest snapshot
+-- and the relaunch, on two nodes or on one, ends bitwise equal to an uninterrupted run of the same
+world size; without snapshots the same loss costs every step since the last durable save."""
 
 from __future__ import annotations
 
 import random
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -130,6 +129,35 @@ def test_without_snapshots_a_lost_node_loses_every_step_since_the_last_save(
     assert_identical(reference, job.run_dir)
 
 
+def test_when_node_0_is_lost_the_node_left_requeues(tmp_path: Path, reference: Path) -> None:
+    """Node 0 -- the node that used to be the only one to requeue -- is lost mid-run; node 1's
+    rank fails on the dead peer, its supervisor keeps the newest snapshot and waits in the
+    rendezvous, and then the scheduler stops the job (SIGTERM to node 1's processes). Node 1
+    exits 75 and requeues the job, exactly once: whichever node is left claims the stop's
+    requeue (a claim file created with O_EXCL in the shared run directory). The requeued job,
+    on two nodes, resumes at most one step behind and ends bitwise equal."""
+    job = nodes.Job(tmp_path, tmp_path / "run", nodes=2)
+    launch = job.start(*FAR_SLOW)
+    tr.wait_for_step(job.run_dir, random.Random(tmp_path.name).randint(2, 6), launch[0])
+    assert nodes.lose_node(launch[0])
+    lost = max(r["step"] for r in unbroken.read_metrics(str(job.run_dir)))
+    nodes.wait_for_attempt(launch[1], 2)
+    nodes.signal_nodes([launch[1]], signal.SIGTERM)
+    code, out = tr.finish(launch[1])
+    assert code == 75, out[-4000:]
+    assert job.requeues() == [f"requeue {nodes.JOB_ID}"], out[-4000:]
+    assert "node 0 requeues" not in out, out[-4000:]
+    assert f"requeued SLURM job {nodes.JOB_ID}" in out, out[-4000:]
+    kept = CheckpointStore(str(job.run_dir)).latest()
+    assert kept is not None and lost - 1 <= kept.step <= lost, (lost, kept, out[-3000:])
+    job.slurm = False
+    ends = _finish_all(job.start(*FAR))
+    assert [c for c, _ in ends] == [0, 0], "\n----\n".join(o[-3000:] for _, o in ends)
+    records = unbroken.read_metrics(str(job.run_dir), events=True)
+    assert [r["step"] for r in records if r.get("event") == "resume"] == [kept.step]
+    assert_identical(reference, job.run_dir)
+
+
 def _one_node(run_dir: Path, ranks: int, *args: str) -> tuple[int, str]:
     """One torchrun launch with ``ranks`` ranks on this node; (exit code, output)."""
     cmd = [tr.TORCHRUN, "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1"]
@@ -175,17 +203,49 @@ def test_three_nodes_the_survivors_merge_the_lost_nodes_part(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize(
-    ("env", "expected"),
+    ("env", "mine"),
     [
-        ({"SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": "2"}, "node 2 of 4"),
-        ({"SLURM_NNODES": "2", "SLURM_NODEID": "1"}, "node 1 of 2"),
-        ({"SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": "0"}, None),  # node 0 requeues
-        ({"SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0"}, None),
-        ({}, None),  # not SLURM, or one node: this supervisor requeues
-        ({"SLURM_JOB_NUM_NODES": "x", "SLURM_NODEID": "1"}, None),
+        ({}, True),  # not SLURM, or one node: this supervisor requeues, nothing to claim
+        ({"SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0"}, True),
+        ({"SLURM_JOB_NUM_NODES": "x", "SLURM_NODEID": "1"}, True),
     ],
 )
-def test_only_node_0_requeues(env: dict[str, str], expected: str | None) -> None:
-    from unbroken.cli._supervise import other_node
+def test_one_node_requeues_without_a_claim(tmp_path: Path, env: dict[str, str], mine: bool) -> None:
+    from unbroken.cli._supervise import claim_requeue
 
-    assert other_node(env) == expected
+    assert claim_requeue(str(tmp_path), "7", env) == (mine, "", "")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_first_node_to_claim_a_stop_requeues_it(tmp_path: Path) -> None:
+    """Several nodes: whichever node's supervisor claims the stop first requeues (node 2 here,
+    with node 0 lost or late); every other node learns who did. The next allocation of the
+    requeued job (SLURM_RESTART_COUNT) is a new stop with a claim of its own."""
+    from unbroken.cli._supervise import REQUEUE_CLAIM, claim_requeue
+
+    def env(node: int, restart: str | None = None) -> dict[str, str]:
+        e = {"SLURM_NNODES": "3", "SLURM_NODEID": str(node)}
+        return e | ({"SLURM_RESTART_COUNT": restart} if restart else {})
+
+    run = str(tmp_path)
+    assert claim_requeue(run, "7", env(2)) == (True, "", "")
+    assert claim_requeue(run, "7", env(0))[:2] == (False, f"node 2 ({socket.gethostname()})")
+    assert claim_requeue(run, "7", env(1))[0] is False
+    assert claim_requeue(run, "8", env(1))[0] is True  # another job
+    assert claim_requeue(run, "7", env(0, "1"))[0] is True  # the requeued job's next stop
+    assert claim_requeue(run, "7", env(2, "1"))[0] is False
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [f"{REQUEUE_CLAIM}{j}" for j in ("7.0", "7.1", "8.0")]
+
+
+def test_without_a_run_directory_node_0_requeues(tmp_path: Path) -> None:
+    """No Run told a run directory (or the claim cannot be written): node 0 requeues, said."""
+    from unbroken.cli._supervise import claim_requeue
+
+    env = {"SLURM_NNODES": "2"}
+    assert claim_requeue(None, "7", env | {"SLURM_NODEID": "0"})[0] is True
+    mine, who, why = claim_requeue(None, "7", env | {"SLURM_NODEID": "1"})
+    assert (mine, who) == (False, "node 0") and "no run directory" in why
+    missing = str(tmp_path / "gone")
+    mine, who, why = claim_requeue(missing, "7", env | {"SLURM_NODEID": "1"})
+    assert (mine, who) == (False, "node 0") and "cannot claim" in why

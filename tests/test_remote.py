@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -23,6 +25,8 @@ from unbroken import CorruptCheckpointError, RemoteStoreError
 from unbroken.store import CheckpointStore, Retention
 from unbroken.store._remote import RemoteStore
 from unbroken.store._s3 import PART_BYTES
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def train(run_dir, remote, steps=4, save_every=2, width=8, **kw):
@@ -160,6 +164,69 @@ def test_5xx_past_the_retries_fail_the_final_upload_loudly(s3, tmp_path):
     assert run.resumed_from == 2 and remote_steps(s3.url) == [2]
 
 
+FROZEN_SCRIPT = """
+import os, sys, time, torch, unbroken
+run_dir, url, go = sys.argv[1:4]
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 8)
+run = unbroken.Run(run_dir, model=model, save_every=2, max_steps=4, remote=url,
+                   remote_finish_timeout=4, handle_signals=False)
+while not run.done:
+    if run.counters.step == 2:
+        assert run._checkpointer.remote.wait(120)  # step 2 is in the store
+        print("UPLOADED 2", flush=True)
+        while not os.path.exists(go):  # the test freezes the store meanwhile
+            time.sleep(0.05)
+        t0 = time.monotonic()
+    model(torch.randn(3, 8)).pow(2).mean().backward()
+    run.step(loss=1.0)
+try:
+    run.finish()
+finally:
+    print(f"FINISH {time.monotonic() - t0:.1f}", flush=True)
+"""
+
+
+def test_a_frozen_store_holds_a_finished_run_at_most_remote_finish_timeout(s3, tmp_path):
+    """The store accepts connections and never answers (not down: frozen). A finished run
+    waits for its final upload at most ``remote_finish_timeout`` (4 s here; botocore's read
+    timeout and retries alone would be minutes), then exits non-zero, loudly, with the final
+    checkpoint kept locally and the command that uploads it -- which, run once the store is
+    back, puts it there. The process exits at once: no request thread holds it."""
+    run_dir, go = tmp_path / "run", tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": REPO}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FROZEN_SCRIPT, str(run_dir), s3.url, str(go)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "UPLOADED 2", proc.communicate(timeout=60)
+    s3.proxy.freeze()
+    go.touch()
+    t0 = time.monotonic()
+    out, err = proc.communicate(timeout=300)
+    took = time.monotonic() - t0
+    assert proc.returncode == 1, (out, err)
+    finish = float(out.split("FINISH ")[1].split()[0])
+    assert 4 <= finish < 30 and took < 60, (finish, took, err)  # before: > 400 s
+    assert "RemoteStoreError" in err and "did not finish within 4 s" in err, err
+    local = run_dir / "checkpoints" / "step-000000004"
+    assert f"is committed in {local} but NOT in {s3.url}" in err, err
+    assert CheckpointStore(str(run_dir)).latest().step == 4  # kept, valid
+    command = err.split("to upload it later (with the metrics log it carries), run:\n  ")[1]
+    command = command.split("\n")[0]
+    s3.proxy.reset()  # the store answers again
+    assert remote_steps(s3.url) == [2]
+    done = subprocess.run(command, shell=True, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert remote_steps(s3.url) == [4, 2]
+    reader = RemoteStore(s3.url).latest(checksums=True)
+    assert reader.manifest["files"]["metrics.jsonl"]["size"] > 0
+
+
 def test_a_slow_server_still_gets_every_checkpoint(s3, tmp_path):
     s3.proxy.delay = 0.05
     train(tmp_path / "run", s3.url, steps=4, save_every=2)
@@ -255,6 +322,11 @@ def test_a_bad_url_is_a_config_error(tmp_path):
     for url in ("gs://bucket/x", "s3://B/x", "s3://ok-bucket/a/../b"):
         with pytest.raises(unbroken.ConfigError):
             unbroken.RunConfig(remote=url)
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(unbroken.ConfigError, match="remote_finish_timeout"):
+            unbroken.RunConfig(remote_finish_timeout=bad)
+    assert unbroken.RunConfig().remote_finish_timeout == 120.0
+    assert unbroken.RunConfig(remote_finish_timeout=None).remote_finish_timeout is None
 
 
 def test_retention_keeps_the_newest_complete_when_newer_uploads_are_partial(s3, tmp_path):

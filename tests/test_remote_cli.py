@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -103,6 +104,35 @@ def test_the_cli_reads_remote_urls(s3, tmp_path, capsys):
     assert main(["inspect", f"s3://{s3.bucket}/nothing-here"]) == 3
     # The same steps, the same bytes: local and remote listings agree.
     assert [i.step for i in CheckpointStore(str(tmp_path / "run")).listing()] == [4, 2]
+
+
+def test_ls_of_a_store_shows_when_each_was_saved_and_what_a_corrupt_one_holds(s3, tmp_path, capsys):
+    """``unbroken ls s3://...`` as of a run directory: the commit time the manifest records
+    (it was null for every remote row), and the size of what a corrupt checkpoint holds in the
+    store (it was 0 B)."""
+    before = time.time()
+    train(tmp_path / "run", s3.url, steps=4, save_every=2)
+    local = ckpt(str(tmp_path / "run"), 4)
+    bad = str(tmp_path / "bad")
+    shutil.copytree(local, bad)
+    with open(os.path.join(bad, "tensors-r00000.bin"), "r+b") as f:
+        f.seek(70)
+        byte = f.read(1)
+        f.seek(70)
+        f.write(bytes([byte[0] ^ 1]))
+    put_raw(RemoteStore(s3.url), bad, 4)
+    capsys.readouterr()
+    assert main(["ls", s3.url, "--json"]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
+    assert not rows[4]["valid"] and rows[2]["valid"] and rows[2]["latest"]
+    stored = sum(os.path.getsize(os.path.join(bad, n)) for n in os.listdir(bad))
+    assert rows[4]["size_bytes"] == stored, rows[4]
+    for r in rows.values():
+        assert isinstance(r["saved_at_unix"], float), r
+        assert before - 1 <= r["saved_at_unix"] <= time.time(), r
+    assert main(["ls", s3.url]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].split()[0] == "4" and " 0 B " not in table[1], table
 
 
 def test_unbroken_imports_and_runs_without_boto3(tmp_path):

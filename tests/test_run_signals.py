@@ -61,8 +61,8 @@ run = unbroken.Run(
 
 if a.signal_during_save_at is not None:
     # Fault point: SIGTERM from another thread after the tensors are written, before the commit.
-    from unbroken.store import _store
-    write_tensors = _store._storage.write_tensors
+    from unbroken.store import _storage
+    write_tensors = _storage.write_tensors
 
     def write_tensors_then_signal(*args, **kwargs):
         out = write_tensors(*args, **kwargs)
@@ -78,7 +78,7 @@ if a.signal_during_save_at is not None:
                   f"flag={run._stop.requested}", flush=True)
         return out
 
-    _store._storage.write_tensors = write_tensors_then_signal
+    _storage.write_tensors = write_tensors_then_signal
 
 print(f"start {run.counters.step}", flush=True)
 for x, y in run.loop(loader):

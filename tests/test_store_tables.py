@@ -194,10 +194,12 @@ def test_a_table_of_many_tiny_tensors_costs_less_than_twice_its_checkpoint(tiny)
     assert got["grown"] < 2 * size, (got, size)
 
 
-@pytest.mark.parametrize("op", ["resume", "read", "ls"])
+@pytest.mark.parametrize("op", ["resume", "read", "ls", "inspect", "inspect-json"])
 def test_an_inflated_table_costs_less_than_twice_its_checkpoint(tiny, op) -> None:
     """A table inflated to 100,000 entries beside a state that names ten of them: a resume,
-    what ``inspect`` reads and ``ls`` each peak below twice the checkpoint's size."""
+    what ``inspect`` reads, ``ls`` and ``inspect`` itself -- which shows every tensor of the
+    table, as a table or as JSON -- each peak below twice the checkpoint's size (``inspect``
+    built a Python row per tensor, then every line: 3-6x)."""
     (warmup, _), (run, size) = tiny["warmup"], tiny["inflated"]
     got = _cost(warmup, run, op)
     assert not got["outcome"].startswith("refused"), got
@@ -316,3 +318,16 @@ def test_coverage_agrees_with_counting_every_element() -> None:
         assert covers(shape, arr[:, 0], arr[:, 1], "t") == want, (shape, boxes)
         verdicts.append(want)
     assert 500 < sum(verdicts) < 2500  # both kinds, many of each
+
+
+def test_the_torch_free_dtype_names_are_torchs() -> None:
+    """A table is validated from dtype names and their sizes (store/_format.DTYPE_ITEMSIZE), so
+    that listing a run directory imports no torch; each name is torch's dtype of that size."""
+    from unbroken.store import _format
+
+    for name, size in _format.DTYPE_ITEMSIZE.items():
+        dtype = getattr(torch, name)
+        assert isinstance(dtype, torch.dtype) and str(dtype) == f"torch.{name}"
+        assert dtype.itemsize == size, name
+    assert list(_format.DTYPES) == list(_format.DTYPE_ITEMSIZE)
+    assert _format.DTYPE_NAMES == {d: n for n, d in _format.DTYPES.items()}

@@ -71,6 +71,13 @@ IMPORTED_AT = time.time()
 # not at its start (it may have waited for hours).
 PROMOTED_AT = 0.0
 
+_ctx = _protocol.ProcessContext.read()
+IN_STANDBY = _ctx.supervised and (_ctx.standby_fd is not None or _ctx.standby_fifo is not None)
+"""A warm standby not yet promoted (train/_standby.py clears it at the promotion): not the job.
+A stop ends it with 75 and its stop marker, saying nothing -- "relaunch to go on" is advice for
+the job, which its trainer (or a finished run's exit 0) gives -- and an uncaught exception of a
+deep standby's script is said by the supervisor, not as a traceback (_stops.record_uncaught)."""
+
 
 class StopRequest:
     """The stop requested of one ``Run``: the first stop signal, and how many arrived."""
@@ -250,7 +257,8 @@ def _say(text: str) -> None:
 def exit_not_training(signum: int) -> None:
     """End the process with 75 for a stop received while nothing was training."""
     name = signal.Signals(signum).name
-    _say(f"{name} while not training (nothing to save); exit 75, relaunch to go on")
+    if not IN_STANDBY:
+        _say(f"{name} while not training (nothing to save); exit 75, relaunch to go on")
     _stops.record(None, f"{name} while not training")
     _quick_exit.arm()
     raise SystemExit(EXIT_RESUMABLE)
@@ -270,7 +278,8 @@ def _backstop() -> None:
             time.sleep(min(left, 0.1))
             continue
         name = signal.Signals(_pending).name
-        _say(f"{name} at start-up, no Run came to save; exit 75, relaunch to go on")
+        if not IN_STANDBY:
+            _say(f"{name} at start-up, no Run came to save; exit 75, relaunch to go on")
         _stops.record(None, f"{name} while not training")
         for stream in (sys.stdout, sys.stderr):
             try:

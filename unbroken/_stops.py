@@ -107,10 +107,43 @@ def record_uncaught() -> None:
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         record_crash(kind, value, tb)
+        if _standby_failed(kind, value, tb):
+            return  # the supervisor says it, in one line: not a traceback from a spare
         previous(kind, value, tb)
 
     hook._unbroken_crash = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+FAILED = "failed before Run()"
+"""How the reason of a deep standby that failed before its wait point begins (:func:`refuse`)."""
+
+
+def _standby_failed(
+    kind: type[BaseException], value: BaseException, tb: TracebackType | None
+) -> bool:
+    """In a deep warm standby not yet promoted (it runs the script up to ``Run()`` beside the
+    trainer): an exception there is the script's set-up failing a second time beside the
+    trainer -- a fixed port already bound (the DDP tutorial's ``MASTER_PORT``), a file held --
+    not the job's failure. Leave the reason for the supervisor, which says it once and keeps
+    a shallow standby instead; True when so (no traceback is printed)."""
+    from . import _signals
+
+    if not _signals.IN_STANDBY:
+        return False
+    try:
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        where = f" at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else ""
+        message = str(value)[:300]
+        name = getattr(kind, "__qualname__", str(kind))
+        refuse(
+            f"{FAILED}: {name}{': ' + message if message else ''}{where} -- the script's "
+            "set-up cannot run twice beside the trainer"
+        )
+    except Exception:
+        return False
+    return True
 
 
 CRASH_RECORD = "crash-{rank:05d}.json"

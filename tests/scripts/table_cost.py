@@ -9,8 +9,8 @@ memory's growth during the second and how OP ended.
 the state files), restored into the module -- one buffer per tensor the state names, built
 before the measurement from state.json (a trainer has its model before it resumes).
 ``read`` is what ``inspect`` reads before it prints: the newest checkpoint that verifies, and
-every check a load runs (``check_contents``). ``inspect`` and ``ls`` are the commands, their
-output captured.
+every check a load runs (``check_contents``). ``inspect`` (``inspect-json``: with ``--json``)
+and ``ls`` are the commands, their output counted and dropped.
 """
 
 from __future__ import annotations
@@ -69,10 +69,23 @@ def read(run: str) -> str:
     return f"read step {reader.step}, {len(reader.tensor_infos())} tensors"
 
 
+class _Count(io.TextIOBase):
+    """A stdout that counts what is written and keeps none of it: the output's own size is
+    not the command's cost (a terminal or a pipe does not keep it either)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def write(self, s: str) -> int:
+        self.n += len(s)
+        return len(s)
+
+
 def cli(op: str, run: str) -> str:
-    with contextlib.redirect_stdout(io.StringIO()) as out:
-        code = main([op, run])
-    return f"exit {code}, {len(out.getvalue())} characters"
+    argv = ["inspect", run, "--json"] if op == "inspect-json" else [op, run]
+    with contextlib.redirect_stdout(_Count()) as out:
+        code = main(argv)
+    return f"exit {code}, {out.n} characters"
 
 
 def do(op: str, run: str, reg: Registry | None) -> str:

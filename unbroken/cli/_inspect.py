@@ -9,13 +9,16 @@ reads the manifest, the JSON state and the tensor table and runs every check a l
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
 import os
 import sys
 import time
-from collections.abc import Collection, Sequence
+import uuid
+from array import array
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
@@ -192,7 +195,8 @@ def inspect(args: argparse.Namespace) -> int:
         raise CheckpointError(f"cannot read {args.path}: {e}") from None
     info["checked"] = "sizes" if args.no_verify else "checksums"
     if args.json:
-        print(json.dumps(info, indent=2))
+        write_json(info, sys.stdout.write)
+        sys.stdout.write("\n")
     else:
         for line in format_info(info):
             print(line)
@@ -319,12 +323,83 @@ class _Collect(logging.Handler):
         self.records.append(record)
 
 
+class _Tensors:
+    """Every tensor of a checkpoint as ``inspect`` shows it, without an object per tensor: the
+    table's columns."""
+
+    def __init__(self, reader: CheckpointReader) -> None:
+        table = reader.tensor_table()
+        self.names: list[str] = table.names
+        self.shape: Any = table.shape_of
+        self.dtype: Any = table.dtype_name_of
+
+    def nbytes(self, i: int) -> int:
+        from ..store._format import DTYPE_ITEMSIZE
+
+        return math.prod(self.shape(i)) * DTYPE_ITEMSIZE[self.dtype(i)]  # validated names
+
+
+class Rows:
+    """The tensors of one component, as indices into :class:`_Tensors` (8 bytes each, and a
+    rank): each row is made when it is shown or written, then dropped. A table of 100,000
+    tensors cost ``inspect`` a dict, a list and strings per tensor, then a line each, all at
+    once: 3-7x the checkpoint's size in memory (docs/checkpoint-format.md: below 2x)."""
+
+    def __init__(self, tensors: _Tensors) -> None:
+        self.tensors = tensors
+        self.index = array("q")
+        self.rank = array("q")  # -1: not rank-local
+
+    def add(self, i: int, rank: int | None) -> None:
+        self.index.append(i)
+        self.rank.append(-1 if rank is None else rank)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def has_rank(self) -> bool:
+        return any(r >= 0 for r in self.rank)
+
+    def row(self, i: int, rank: int) -> dict[str, Any]:
+        t = self.tensors
+        row: dict[str, Any] = {
+            "name": t.names[i].partition(_SEP)[2],
+            "shape": list(t.shape(i)),
+            "dtype": t.dtype(i),
+            "bytes": t.nbytes(i),
+        }
+        if rank >= 0:
+            row["rank"] = rank
+        return row
+
+    def rows(self) -> Iterator[dict[str, Any]]:
+        """Every row, in the table's order (``--json``)."""
+        for i, rank in zip(self.index, self.rank, strict=True):
+            yield self.row(i, rank)
+
+    def by_rank_and_name(self) -> Iterator[tuple[int, int]]:
+        """(index, rank) of every tensor, by rank (none: 0), then name (the table's view)."""
+        ranks = sorted(set(self.rank), key=lambda r: max(r, 0))
+        names = self.tensors.names
+        for r in ranks:
+            group = [i for i, rr in zip(self.index, self.rank, strict=True) if rr == r]
+            group.sort(key=names.__getitem__)  # one prefix per group: the name's order
+            for i in group:
+                yield i, r
+
+
+_SEP = "/"  # state/_tree.SEP: component, then the tensor's path
+
+
 def describe(reader: CheckpointReader) -> dict[str, Any]:
-    """Everything ``inspect`` shows, as JSON-ready values (no tensor data is read)."""
+    """Everything ``inspect`` shows, as JSON-ready values (no tensor data is read), but each
+    component's ``tensors``: :class:`Rows`, made row by row (:func:`write_json`)."""
     from ..state import _tree
 
+    assert _tree.SEP == _SEP
     m = reader.manifest
-    infos = reader.tensor_infos()  # names, shapes and dtypes from the table
+    tensors = _Tensors(reader)  # names, shapes and dtypes from the table
     trees = reader.global_trees()
     components: dict[str, dict[str, Any]] = {}
     for name, comp in sorted(m["components"].items()):
@@ -333,31 +408,28 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
         components[name] = {
             "kind": comp.get("kind"),
             "rank_local": bool(comp.get("rank_local")),
-            "tensors": [],
+            "tensors": Rows(tensors),
             "tensor_bytes": 0,
         }
-    for key, info in infos.items():
-        shape, dtype = tuple(info.shape), str(info.dtype).removeprefix("torch.")
-        head, _, rest = key.partition(_tree.SEP)
+    for i, key in enumerate(tensors.names):
+        head = key.partition(_SEP)[0]
         comp_name, _, rank = head.partition("@rank")
-        row: dict[str, Any] = {
-            "name": rest,
-            "shape": list(shape),
-            "dtype": dtype,
-            "bytes": math.prod(shape) * info.dtype.itemsize,
-        }
-        if rank:
-            row["rank"] = int(rank)
-        comp = components.setdefault(
-            comp_name, {"kind": None, "rank_local": bool(rank), "tensors": [], "tensor_bytes": 0}
-        )
-        comp["tensors"].append(row)
-        comp["tensor_bytes"] += row["bytes"]
+        comp = components.get(comp_name)
+        if comp is None:
+            comp = components[comp_name] = {
+                "kind": None,
+                "rank_local": bool(rank),
+                "tensors": Rows(tensors),
+                "tensor_bytes": 0,
+            }
+        comp["tensors"].add(i, int(rank) if rank else None)
+        comp["tensor_bytes"] += tensors.nbytes(i)
     counters = {
         name: _jsonable(_decode(trees[name]))
         for name, comp in components.items()
         if comp["kind"] == "counters" and name in trees
     }
+    del trees
     return {
         "path": reader.path,
         "step": reader.step,
@@ -374,6 +446,35 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
         "components": components,
         "counters": counters,
     }
+
+
+def write_json(info: dict[str, Any], write: Callable[[str], Any]) -> None:
+    """``json.dumps(info, indent=2)`` written piece by piece, each component's tensors a row
+    at a time (the same text: the rows are put where placeholders were)."""
+    marks: dict[str, Rows] = {}
+    comps = {}
+    for name, comp in info["components"].items():
+        token = f"unbroken-rows-{uuid.uuid4().hex}"
+        marks[json.dumps(token)] = comp["tensors"]
+        comps[name] = {**comp, "tensors": token}
+    text = json.dumps({**info, "components": comps}, indent=2)
+    for line in text.split("\n"):
+        quoted = next((q for q in marks if line.endswith((q, q + ","))), None)
+        if quoted is None:
+            write(line + "\n")
+            continue
+        rows = marks[quoted]
+        head, tail = line[: line.rindex(quoted)], line[line.rindex(quoted) + len(quoted) :]
+        indent = " " * (len(line) - len(line.lstrip(" ")) + 2)
+        if not len(rows):
+            write(f"{head}[]{tail}\n")
+            continue
+        write(f"{head}[")
+        sep = "\n"
+        for row in rows.rows():
+            write(sep + indent + json.dumps(row, indent=2).replace("\n", "\n" + indent))
+            sep = ",\n"
+        write(f"\n{indent[:-2]}]{tail}\n")
 
 
 def _decode(tree: Any) -> Any:
@@ -397,8 +498,9 @@ def _jsonable(obj: Any) -> Any:
     return repr(obj)
 
 
-def format_info(info: dict[str, Any]) -> list[str]:
-    """The human-readable form of :func:`describe`."""
+def format_info(info: dict[str, Any]) -> Iterator[str]:
+    """The human-readable form of :func:`describe`, line by line (a tensor's line is made
+    when it is due: a table of many tensors is never held as lines)."""
     saved = info["saved_at"] or "?"
     if isinstance(info.get("saved_at_unix"), (int, float)):
         saved += f" ({human_age(time.time() - info['saved_at_unix'])} ago)"
@@ -435,19 +537,23 @@ def format_info(info: dict[str, Any]) -> list[str]:
         for name, c in comps.items()
     ]
     lines += _table(["NAME", "KIND", "RANK-LOCAL", "TENSORS", "SIZE"], rows, indent=2, right={3, 4})
+    yield from lines
     for name, c in comps.items():
-        if not c["tensors"]:
+        tensors: Rows = c["tensors"]
+        if not len(tensors):
             continue
-        lines += ["", f"tensors of {name}"]
-        has_rank = any("rank" in t for t in c["tensors"])
-        rows = [
-            [t["name"], _shape(t["shape"]), t["dtype"]]
-            + ([str(t.get("rank", ""))] if has_rank else [])
-            for t in sorted(c["tensors"], key=lambda t: (t.get("rank", 0), t["name"]))
-        ]
+        yield ""
+        yield f"tensors of {name}"
+        has_rank = tensors.has_rank
         headers = ["NAME", "SHAPE", "DTYPE"] + (["RANK"] if has_rank else [])
-        lines += _table(headers, rows, indent=2)
-    return lines
+
+        def cells(tensors: Rows = tensors, has_rank: bool = has_rank) -> Iterator[list[str]]:
+            names, t = tensors.tensors.names, tensors.tensors
+            for i, rank in tensors.by_rank_and_name():
+                row = [names[i].partition(_SEP)[2], _shape(t.shape(i)), t.dtype(i)]
+                yield row + ([str(rank) if rank >= 0 else ""] if has_rank else [])
+
+        yield from _stream_table(headers, cells, indent=2)
 
 
 # ---- formatting -------------------------------------------------------------------------------
@@ -475,6 +581,19 @@ def human_age(seconds: float) -> str:
         if s >= size:
             return f"{s // size}{unit}"
     return f"{s}s"
+
+
+def _stream_table(
+    headers: list[str], rows: Callable[[], Iterator[list[str]]], *, indent: int = 0
+) -> Iterator[str]:
+    """:func:`_table` of the rows ``rows()`` yields, called twice (the widths, then the
+    lines) so that they are never all held."""
+    widths = [len(h) for h in headers]
+    for r in rows():
+        widths = [max(w, len(c)) for w, c in zip(widths, r, strict=True)]
+    for cells in itertools.chain([headers], rows()):
+        line = "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
+        yield (" " * indent + line).rstrip()
 
 
 def _table(

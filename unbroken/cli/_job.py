@@ -21,12 +21,18 @@ from typing import Any
 from .. import _protocol, _stops, _tree
 
 
-def _follow(supervisor: int, idle: bool = False, oom: int | None = None) -> Any:
+def _follow(
+    supervisor: int, idle: bool = False, oom: int | None = None, standby: bool = False
+) -> Any:
     """A ``preexec_fn``: CMD gets SIGTERM when the supervisor dies (Linux ``PR_SET_PDEATHSIG``,
     kept across ``exec``), so a ``kill -9`` of ``unbroken run`` stops its trainer as a
     preemption would (save, exit 75) instead of leaving it training as an orphan that holds the
     run's lock. The supervisor forks from its only thread, the one that lives as long as it.
-    ``idle``, ``oom``: a warm standby's ``SCHED_IDLE`` and ``oom_score_adj``."""
+    ``idle``, ``oom``: a warm standby's ``SCHED_IDLE`` and ``oom_score_adj``; ``standby``: it
+    starts with SIGINT ignored (kept across ``exec``; Python then installs no handler of its
+    own): a Ctrl-C in the terminal while its interpreter starts -- before ``import unbroken``
+    installs the stop handlers, which replace the disposition -- would otherwise end it in a
+    ``KeyboardInterrupt`` traceback in the middle of the job's output."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -44,6 +50,8 @@ def _follow(supervisor: int, idle: bool = False, oom: int | None = None) -> Any:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         if oom is not None:
             set_oom_score(0, oom)
+        if standby:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     return child
 
@@ -97,10 +105,11 @@ class Launch:
         pass_fds: tuple[int, ...] = (),
         idle: bool = False,
         oom: int | None = None,
+        standby: bool = False,
     ) -> None:
-        """Start ``cmd`` as launch ``n`` (``pass_fds``, ``idle``, ``oom``: a warm standby's
-        pipe, and its ``SCHED_IDLE`` and ``oom_score_adj`` until it is promoted; see
-        :mod:`._standby`)."""
+        """Start ``cmd`` as launch ``n`` (``pass_fds``, ``idle``, ``oom``, ``standby``: a warm
+        standby's pipe, and its ``SCHED_IDLE`` and ``oom_score_adj`` until it is promoted, and
+        its SIGINT ignored until unbroken's handlers exist; see :mod:`._standby`)."""
         self.tag = _tree.new_tag()
         self.stop_dir = os.path.join(area, f"attempt-{n}")
         # Anything there was left by a standby for this attempt that died before its promotion
@@ -108,7 +117,10 @@ class Launch:
         shutil.rmtree(self.stop_dir, ignore_errors=True)
         env = _protocol.launch_env(env, job_tag=self.tag, stop_dir=self.stop_dir)
         self.proc = subprocess.Popen(
-            cmd, env=env, pass_fds=pass_fds, preexec_fn=_follow(os.getpid(), idle, oom)
+            cmd,
+            env=env,
+            pass_fds=pass_fds,
+            preexec_fn=_follow(os.getpid(), idle, oom, standby),
         )
         self.tree = _tree.Tree(self.proc.pid, self.tag)
         # Whether a stop signal was forwarded only to processes with no handler for it (ranks

@@ -283,7 +283,9 @@ class Standby:
 
     def _refused(self) -> None:
         """A deep standby that exited at its wait point because the script had initialised
-        CUDA (train/_standby.py): keep a shallow one instead, at once."""
+        CUDA (train/_standby.py), or whose script failed before it got there (a set-up that
+        cannot run twice: a fixed port bound, _stops.record_uncaught): keep a shallow one
+        instead, at once, and say why in one line (the standby printed no traceback)."""
         spare = self.spare
         if spare is None or self.depth != DEEP or spare.proc.poll() is None:
             return
@@ -302,12 +304,14 @@ class Standby:
         self.depth = IMPORTS
         shallow = _warm.command(self.cmd)
         if shallow is None:
-            self.off = f"the deep standby refused ({why}), and {NOT_PYTHON}"
+            said = why if why.startswith(_stops.FAILED) else f"refused ({why})"
+            self.off = f"the deep standby {said}, and {NOT_PYTHON}"
             self.say(f"no warm standby from here on: {self.off}")
             return
         self.argv = shallow
+        said = why if why.startswith(_stops.FAILED) else f"refused: {why}"
         self.say(
-            f"the deep standby refused: {why}; a shallow standby instead (a python with torch "
+            f"the deep standby {said}; a shallow standby instead (a python with torch "
             "and unbroken imported, waiting before the script: nothing of it runs before its "
             "turn)"
         )
@@ -355,7 +359,7 @@ class Standby:
         oom = _job.OOM_STANDBY if self.oom is not None and self.oom < _job.OOM_STANDBY else None
         try:
             spare = _job.Launch(
-                self.argv, env, self.stops, n, pass_fds=fds, idle=self.idle, oom=oom
+                self.argv, env, self.stops, n, pass_fds=fds, idle=self.idle, oom=oom, standby=True
             )
         except OSError as e:
             _close(w, fifo)

@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -59,7 +60,9 @@ side effects happen twice, beside the trainer); --no-standby: off. Said at start
 SLURM (SLURM_JOB_ID set, --no-requeue not given): the job requeued is
 ${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}} for array jobs, else SLURM_JOB_ID; if
 scontrol is missing or fails, the failure is reported and CMD is relaunched in place. In a
-multi-node job (SLURM_JOB_NUM_NODES > 1) only node 0 (SLURM_NODEID) requeues; the others exit 75.
+multi-node job (SLURM_JOB_NUM_NODES > 1) the job is requeued once per stop, by the first node
+left to claim it (a file in the shared run directory, RUN/.unbroken.requeue-JOB.RESTART); the
+others exit 75.
 Use `exec unbroken run ...` in the batch script so `#SBATCH --signal=B:USR1@120` reaches it."""
 
 EPILOG = """exit codes:
@@ -145,16 +148,66 @@ def slurm_job_id(env: dict[str, str] | os._Environ[str]) -> str | None:
     return env.get("SLURM_JOB_ID") or None
 
 
-def other_node(env: dict[str, str] | os._Environ[str]) -> str | None:
-    """ "node I of N" when this task runs on a node other than the first of a multi-node job:
-    only node 0's supervisor requeues it (a second `scontrol requeue` of a requeued job fails,
-    and the node that then relaunched in place would wait for a rendezvous that never comes)."""
+REQUEUE_CLAIM = ".unbroken.requeue-"
+"""The claim of one stop's requeue in the (shared) run directory: ``<prefix><job>.<restart>``."""
+
+
+def job_nodes(env: dict[str, str] | os._Environ[str]) -> tuple[int, int]:
+    """(this task's node, the job's node count) of a SLURM job: (0, 1) when not told."""
     try:
         nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
         node = int(env.get("SLURM_NODEID") or 0)
     except ValueError:
-        return None
-    return f"node {node} of {nodes}" if nodes > 1 and node != 0 else None
+        return 0, 1
+    return node, nodes
+
+
+def claim_requeue(
+    run_dir: str | None, job: str, env: dict[str, str] | os._Environ[str]
+) -> tuple[bool, str, str]:
+    """(whether this node's supervisor is the one to requeue the job after a stop; if not, who does;
+    a note when the claim could not be made). One node: always this one. Several nodes (one
+    supervisor per node): exactly one requeue per stop -- a second ``scontrol requeue`` of a
+    requeued job fails, and a node that then relaunched in place would wait for a rendezvous that
+    never comes -- and by whichever node is left, since the node that would requeue may be the node
+    lost. The first supervisor to create ``<run dir>/.unbroken.requeue-<job>.<SLURM_RESTART_COUNT>``
+    (O_CREAT|O_EXCL, atomic on a local or a cluster file system, NFSv3 included) requeues; the
+    others exit 75. Without a run directory to claim in (no ``Run`` told one), or if the claim
+    cannot be written, node 0 requeues, as before."""
+    node, nodes = job_nodes(env)
+    if nodes <= 1:
+        return True, "", ""
+    why = "no run directory told to claim the requeue in"
+    if run_dir is not None:
+        restart = env.get("SLURM_RESTART_COUNT") or "0"
+        path = os.path.join(run_dir, f"{REQUEUE_CLAIM}{job}.{restart}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, 0o644)
+        except FileExistsError:
+            return False, _claimant(path), ""
+        except OSError as e:
+            why = f"cannot claim the requeue in {run_dir}: {e.strerror or e}"
+        else:
+            try:
+                claim = {"node": node, "host": socket.gethostname(), "pid": os.getpid()}
+                os.write(fd, json.dumps({**claim, "time": time.time()}).encode())
+            except OSError:
+                pass  # the file is the claim; what it says is for the others' reports
+            finally:
+                os.close(fd)
+            return True, "", ""
+    return node == 0, "node 0", f"{why}: node 0 requeues"
+
+
+def _claimant(path: str) -> str:
+    """Who claimed the requeue, for the report: "node K (host)"."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            claim = json.loads(f.read(4096))
+        return f"node {int(claim['node'])} ({claim['host']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another node"
 
 
 class Supervisor:
@@ -228,10 +281,16 @@ class Supervisor:
             decision = self._decide(verdict, history, limits, att, progressed, job)
             if decision.action is _policy.Action.REQUEUE:
                 assert job is not None
-                node = other_node(os.environ)
-                if node is not None:
-                    att.action = "stop (node 0 requeues)"
-                    return EXIT_RESUMABLE, f"stopped; node 0 requeues SLURM job {job} ({node})"
+                run_dir = (None if self.shm is None else self.shm.run_dir()) or self.told
+                mine, who, why = claim_requeue(run_dir, job, os.environ)
+                att.note = "; ".join(filter(None, [att.note, why]))
+                if not mine:
+                    att.action = f"stop ({who} requeues)"
+                    node, nodes = job_nodes(os.environ)
+                    return (
+                        EXIT_RESUMABLE,
+                        f"stopped; {who} requeues SLURM job {job} (node {node} of {nodes})",
+                    )
                 ok, why = _requeue(job)
                 if ok:
                     att.action = f"requeue {job}"

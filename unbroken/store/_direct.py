@@ -34,6 +34,7 @@ import xxhash
 from .._errors import CorruptCheckpointError
 from . import _fsops, _par, _safeio
 from ._format import ALIGN, Chunk
+from ._tablefile import hash_chunks as hash_chunks
 
 # From huge pages, 8-32 MiB stages and 2-4 writers measured alike (0.95-1.01x the ceiling,
 # 1 GB, 2026-12-03); from 4 KiB pages 16 MiB stages had been 1.6x slower and a second
@@ -353,25 +354,3 @@ class VerifiedReads:
             os.close(self.fd)
         except OSError:
             pass
-
-
-def hash_chunks(path: str, chunks: list[Chunk]) -> list[str]:
-    """Each chunk's xxh3 as the file holds it (a verify without a load target)."""
-    fd = _safeio.open_regular(path)
-    buf = bytearray(1 << 20)
-    try:
-        out = []
-        for c in chunks:
-            h = xxhash.xxh3_64()
-            done = 0
-            while done < c.nbytes:
-                n = min(len(buf), c.nbytes - done)
-                got = os.preadv(fd, [memoryview(buf)[:n]], c.offset + done)
-                if got <= 0:
-                    raise CorruptCheckpointError(f"{path}: tensor {c.fqn!r} is truncated")
-                h.update(memoryview(buf)[:got])
-                done += got
-            out.append(h.hexdigest())
-        return out
-    finally:
-        os.close(fd)

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xxhash
-from torch.distributed.checkpoint import metadata as dcp_md
+
+if TYPE_CHECKING:  # torch is imported when a dtype is needed: `unbroken ls` reads only names
+    import torch
+    from torch.distributed.checkpoint import metadata as dcp_md
 
 FORMAT = "unbroken-tensors"
 VERSION = 2
@@ -34,31 +36,44 @@ ALIGN = 64
 MAX_DIMS = 64
 MAX_ELEMENTS = 1 << 50
 
-DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.complex64,
-        torch.complex128,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.uint16,
-        torch.uint32,
-        torch.uint64,
-        torch.bool,
-        torch.float8_e4m3fn,
-        torch.float8_e5m2,
-        torch.float8_e4m3fnuz,
-        torch.float8_e5m2fnuz,
-    )
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "complex64": 8,
+    "complex128": 16,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
 }
-DTYPE_NAMES = {d: n for n, d in DTYPES.items()}
+"""Every dtype a table may name, with its size in bytes: what validating a table needs, without
+torch (tests/test_store_tables.py checks it against torch's own dtypes)."""
+
+if TYPE_CHECKING:
+    DTYPES: dict[str, torch.dtype]
+    """The names of :data:`DTYPE_ITEMSIZE` -> torch's dtypes (imports torch when first used)."""
+    DTYPE_NAMES: dict[torch.dtype, str]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in ("DTYPES", "DTYPE_NAMES"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch
+
+    dtypes = {n: getattr(torch, n) for n in DTYPE_ITEMSIZE}
+    globals().update(DTYPES=dtypes, DTYPE_NAMES={d: n for n, d in dtypes.items()})
+    return globals()[name]
 
 
 def data_file(rank: int) -> str:
@@ -92,6 +107,8 @@ def combine(digests: list[str]) -> str:
 
 def encode(md: dcp_md.Metadata, chunks: list[Chunk]) -> dict[str, Any]:
     """The ``tensors.json`` document of a save: DCP's global metadata plus every chunk."""
+    from torch.distributed.checkpoint import metadata as dcp_md
+
     by_fqn: dict[str, list[Chunk]] = {}
     for c in chunks:
         by_fqn.setdefault(c.fqn, []).append(c)
@@ -106,7 +123,7 @@ def encode(md: dcp_md.Metadata, chunks: list[Chunk]) -> dict[str, Any]:
 def entry_doc(dtype: torch.dtype, shape: tuple[int, ...], chunks: list[Chunk]) -> dict[str, Any]:
     """One tensor's entry of ``tensors.json``."""
     return {
-        "dtype": DTYPE_NAMES[dtype],
+        "dtype": __getattr__("DTYPE_NAMES")[dtype],
         "shape": list(shape),
         "chunks": [
             {
@@ -128,6 +145,9 @@ def document(tensors: dict[str, Any]) -> dict[str, Any]:
 
 def to_metadata(table: Mapping[str, Entry]) -> dcp_md.Metadata:
     """DCP's Metadata for a validated table (storage_data maps each chunk to its Chunk)."""
+    import torch
+    from torch.distributed.checkpoint import metadata as dcp_md
+
     sdm: dict[str, Any] = {}
     storage: dict[dcp_md.MetadataIndex, Chunk] = {}
     for fqn, e in table.items():

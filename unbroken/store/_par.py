@@ -32,11 +32,19 @@ def threads() -> int:
     return max(1, min(MAX_THREADS, cores))
 
 
-def each(items: Sequence[T], fn: Callable[[T], Any], nbytes: int) -> list[Any]:
+def each(
+    items: Sequence[T], fn: Callable[[T], Any], nbytes: int, *, n_threads: int | None = None
+) -> list[Any]:
     """``[fn(x) for x in items]``, in up to :func:`threads` threads when ``nbytes`` (the work's
-    size) is worth it. The first exception is raised once every thread has stopped, so that no
-    thread still writes into memory the caller goes on to use."""
-    n = threads() if nbytes >= MIN_BYTES and len(items) > 1 else 1
+    size) is worth it, or in ``n_threads`` (requests to a store: waiting, not memory-bound).
+    The first exception is raised once every thread has stopped, so that no thread still
+    writes into memory the caller goes on to use; no item is started after it. The helper
+    threads are daemons: a process whose work is stuck (a store that never answers) can
+    still exit, where a ``ThreadPoolExecutor``'s threads are joined at exit."""
+    if n_threads is not None:
+        n = max(1, min(n_threads, len(items)))
+    else:
+        n = threads() if nbytes >= MIN_BYTES and len(items) > 1 else 1
     if n == 1:
         return [fn(x) for x in items]
     out: list[Any] = [None] * len(items)

@@ -9,14 +9,17 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._errors import CheckpointError, CorruptCheckpointError
-from ..state import TensorInfo, _tree
-from . import _format, _layout, _manifest, _storage
+from ..state import _tree
+from . import _format, _layout, _manifest, _tablefile
 from ._table import Table
+
+if TYPE_CHECKING:  # listing and verifying a checkpoint needs no torch (`unbroken ls`)
+    import torch
+
+    from ..state import TensorInfo
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -142,6 +145,14 @@ class CheckpointReader:
             self._infos = self._table.infos()
         return self._infos
 
+    def tensor_table(self) -> Table:
+        """The tensor table as read (compact columns: names, dtype names, shapes), for a reader
+        of every tensor's description that must not make an object per tensor (``unbroken
+        inspect``). Parses it if :meth:`tensor_infos` did not."""
+        self.tensor_infos()
+        assert self._table is not None
+        return self._table
+
     @_located
     def load_tensors(self, targets: dict[str, torch.Tensor], *, verify: bool = True) -> None:
         """Fill ``targets`` from the payload, verifying every chunk read (``verify``)."""
@@ -167,10 +178,12 @@ class CheckpointReader:
         _manifest.verify_files(self.path, self.manifest, checksums=checksums, skip=skip)
 
     def _io_table(self, sizes: dict[str, int]) -> Table:
-        return _storage.read_table(self.path, sizes)
+        return _tablefile.read_table(self.path, sizes)
 
     def _io_verify_data(self, table: Table) -> None:
-        _storage.verify_data(self.path, table, self.manifest["files"])
+        _tablefile.verify_data(self.path, table, self.manifest["files"])
 
     def _io_load(self, table: Table, targets: dict[str, torch.Tensor], verify: bool) -> None:
+        from . import _storage
+
         _storage.load_tensors(self.path, table, targets, verify)

@@ -43,7 +43,7 @@ from . import _fsops, _layout, _manifest, _remote_fetch, _s3
 from ._entry import REMOTE, Entry
 from ._reader import CheckpointReader
 from ._remote_reader import RemoteReader
-from ._store import Listing, Retention
+from ._store import Listing, Retention, _number
 
 log = _log.get("store")
 Scan = dict[int, dict[str, tuple[int, float]]]
@@ -101,21 +101,21 @@ class RemoteStore:
         out = []
         for step in self.committed(scan):
             files = scan[step]
-            valid, reason, size = True, "", 0
+            valid, reason, saved_at = True, "", None
             try:
                 r = self.reader(step, files)
+                saved_at = _number(r.manifest.get("saved_at_unix"))  # the manifest parsed
                 r.verify(checksums=checksums)
-                size = r.size_bytes()
             except RemoteStoreError:
                 raise
             except CheckpointError as e:
                 valid, reason = False, str(e)
+            # What the folder holds in the store, as a local listing sums the files on disk
+            # (a corrupt checkpoint's objects too).
+            size = sum(size for size, _ in files.values())
             mtime = files[_manifest.MANIFEST][1]
-            out.append(
-                Listing(
-                    step, self.objects.where(self._folder(step)), valid, reason, size, mtime, False
-                )
-            )
+            where = self.objects.where(self._folder(step))
+            out.append(Listing(step, where, valid, reason, size, mtime, False, saved_at))
         return out
 
     def entries(self) -> list[Entry]:
@@ -187,7 +187,7 @@ class RemoteStore:
         reader = CheckpointReader(local)
         reader.verify(checksums=False)  # every file there with its size; the table parses
         if reader.format_version != _manifest.FORMAT_VERSION:
-            raise CorruptCheckpointError(f"{local} is format 1; only format 2 is uploaded")
+            raise CorruptCheckpointError(f"{local} is format {reader.format_version}; not uploaded")
         step, folder = reader.step, self._folder(reader.step)
         existing: dict[str, tuple[int, float]] = {}
         if self.objects.size(f"{folder}/{_manifest.MANIFEST}") is not None:

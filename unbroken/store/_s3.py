@@ -23,10 +23,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .._errors import ConfigError, RemoteStoreError
+from . import _par
 
 SCHEME = "s3://"
 PART_BYTES = 8 << 20
@@ -273,15 +273,10 @@ class S3Objects:
                 parts[name] = [up["UploadId"], {}]
                 for i, at in enumerate(range(0, n, PART_BYTES)):
                     tasks.append((name, path, at, min(PART_BYTES, n - at), i + 1))
-            with ThreadPoolExecutor(THREADS, thread_name_prefix="unbroken-put") as pool:
-                futures = [pool.submit(self._send, t, parts) for t in tasks]
-                try:
-                    for fut in futures:
-                        fut.result()
-                except BaseException:
-                    for fut in futures:
-                        fut.cancel()
-                    raise
+            # Daemon threads, not a ThreadPoolExecutor (whose threads the interpreter joins at
+            # exit): a store that stops answering must not hold the process past the bounded
+            # wait of finish() (remote_timeout).
+            _par.each(tasks, lambda t: self._send(t, parts), 0, n_threads=THREADS)
             for name, (upload_id, etags) in parts.items():
                 done = {"Parts": [{"PartNumber": k, "ETag": etags[k]} for k in sorted(etags)]}
                 self._call(

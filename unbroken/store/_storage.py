@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-import xxhash
 from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import (
@@ -36,11 +35,14 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from .._errors import CorruptCheckpointError, UnbrokenError, root_oserror
-from . import _direct, _format, _fsops, _safeio, _table
+from . import _direct, _format, _fsops
 from ._format import Chunk
 from ._manifest import dumps
 from ._safeio import safe_file
 from ._table import Table
+from ._tablefile import DIRECT_BATCH
+from ._tablefile import read_table as read_table
+from ._tablefile import verify_data as verify_data
 
 _local = threading.local()
 
@@ -345,9 +347,6 @@ def load_tensors(
         )
 
 
-DIRECT_BATCH = 4096  # chunks in flight at once: what many tiny chunks cost stays bounded
-
-
 def _load_direct(
     directory: str, table: Table, targets: dict[str, torch.Tensor], verify: bool
 ) -> bool:
@@ -399,35 +398,3 @@ def _read_batch(
     for chunk, part in staged:
         part.copy_(reads.new(chunk, part.dtype).view(part.shape))
     reads.check()
-
-
-def read_table(directory: str, file_sizes: dict[str, int]) -> Table:
-    """Parse and validate ``tensors.json`` of ``directory`` (see _table.read)."""
-    where = os.path.join(directory, _format.TABLE_FILE)
-    fd = _safeio.open_regular(safe_file(directory, _format.TABLE_FILE))
-    try:
-        size = os.fstat(fd).st_size
-        if size > _safeio.MAX_JSON_BYTES:
-            raise CorruptCheckpointError(f"{where} is {size} bytes, more than such a file holds")
-        return _table.read(fd, where, file_sizes)
-    finally:
-        os.close(fd)
-
-
-def verify_data(directory: str, table: Table, files: dict[str, Any]) -> None:
-    """Check every data file's chunks against the manifest's checksum of that file."""
-    for name, order in table.in_file_order().items():
-        path = safe_file(directory, name)
-        combined = xxhash.xxh3_64()  # _format.combine, a chunk at a time
-        for at in range(0, len(order), DIRECT_BATCH):
-            chunks = [table.chunk(int(j)) for j in order[at : at + DIRECT_BATCH]]
-            digests = _direct.hash_chunks(path, chunks)
-            for c, d in zip(chunks, digests, strict=True):
-                if c.xxh3 != d:
-                    raise CorruptCheckpointError(
-                        f"{path} does not match its xxh3 checksum (corrupted) in tensor {c.fqn!r}"
-                    )
-                combined.update(d.encode())
-        rec = files.get(name)
-        if rec is None or rec["xxh3_64"] != combined.hexdigest():
-            raise CorruptCheckpointError(f"{path} does not match its checksum in the manifest")

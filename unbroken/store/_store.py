@@ -19,9 +19,9 @@ import shutil
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .. import _dist, _log
+from .. import _log
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -31,10 +31,12 @@ from .._errors import (
     write_error,
 )
 from .._logfile import open_regular
-from ..state import Payload
-from . import _fsops, _layout, _manifest, _storage
+from . import _fsops, _layout, _manifest
 from ._entry import LOCAL, Entry
 from ._reader import CheckpointReader
+
+if TYPE_CHECKING:  # listing and finding checkpoints import no torch (`unbroken ls`)
+    from ..state import Payload
 
 log = _log.get("store")
 
@@ -231,6 +233,8 @@ class CheckpointStore:
         """Write and commit a checkpoint of ``step`` (collective over ``group``); returns its
         path. A background save passes its own process group, so that its collectives never
         interleave with the training's."""
+        from .. import _dist
+
         rank, world = _dist.rank(), _dist.world_size()
         tmp = os.path.join(self.root, _layout.tmp_name(step))
         final = os.path.join(self.root, _layout.step_name(step))
@@ -251,6 +255,9 @@ class CheckpointStore:
 
     def _write_rank_files(self, tmp: str, payload: Payload, group: Any) -> dict[str, Any]:
         """This rank's tensor files and rank-RRRRR.json, fsynced; {file: (size, xxh3)}."""
+        from .. import _dist
+        from . import _storage
+
         records = dict(_storage.write_tensors(tmp, payload.tensors, group))
         name = _manifest.rank_file(_dist.rank())
         doc = {"components": payload.local_trees}
@@ -315,6 +322,8 @@ class CheckpointStore:
     ) -> None:
         """Raise on every rank if the step failed on any; ``owner`` (default: rank 0) removes
         the temporary directory."""
+        from .. import _dist
+
         failed = _dist.any_true(err is not None, group, what="commit verdict")
         if not failed:
             return

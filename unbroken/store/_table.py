@@ -21,24 +21,27 @@ import itertools
 import re
 from array import array
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .._errors import CorruptCheckpointError
-from ..state import TensorInfo
-from . import _safeio
+from . import _format, _safeio
 from ._cover import covers
-from ._format import ALIGN, DTYPES, FORMAT, MAX_DIMS, MAX_ELEMENTS, VERSION, Chunk, Entry
+from ._format import ALIGN, DTYPE_ITEMSIZE, FORMAT, MAX_DIMS, MAX_ELEMENTS, VERSION, Chunk, Entry
 from ._jsonstream import JsonStream
+
+if TYPE_CHECKING:  # reading a table needs dtype names, not torch (`unbroken ls`)
+    import torch
+
+    from ..state import TensorInfo
 
 MAX_EMPTY_TENSORS = 1 << 16
 DATA_FILE = re.compile(r"^tensors-r\d{5,}\.bin$")
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _MAX_BYTE = 1 << 62
-_DTYPE_LIST = list(DTYPES.values())
-_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPE_LIST)}
+_DTYPE_NAMES = list(DTYPE_ITEMSIZE)
+_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPE_NAMES)}
 
 
 class Table(Mapping[str, Entry]):
@@ -76,7 +79,10 @@ class Table(Mapping[str, Entry]):
         return fqn in self.index
 
     def dtype_of(self, i: int) -> torch.dtype:
-        return _DTYPE_LIST[self.dtype[i]]
+        return _format.DTYPES[_DTYPE_NAMES[self.dtype[i]]]  # imports torch
+
+    def dtype_name_of(self, i: int) -> str:
+        return _DTYPE_NAMES[self.dtype[i]]
 
     def shape_of(self, i: int) -> tuple[int, ...]:
         return tuple(self.dims[self.dims_at[i] : self.dims_at[i + 1]])
@@ -119,13 +125,15 @@ class Table(Mapping[str, Entry]):
         return {self.files[int(f[part[0]])]: part for part in np.split(order, bounds) if part.size}
 
 
-class _Infos(Mapping[str, TensorInfo]):
+class _Infos(Mapping[str, "TensorInfo"]):
     """``CheckpointReader.tensor_infos()`` of a table: shape and dtype, made when asked for."""
 
     def __init__(self, table: Table) -> None:
         self.t = table
 
     def __getitem__(self, fqn: str) -> TensorInfo:
+        from ..state import TensorInfo
+
         i = self.t.index[fqn]
         return TensorInfo(self.t.shape_of(i), self.t.dtype_of(i))
 
@@ -213,7 +221,7 @@ class _Parser:
             raw_dtype, raw_shape = spec.get("dtype"), spec.get("shape")
         else:
             raw_dtype, raw_shape, chunks = self._walk(s, fqn)
-        dtype = DTYPES.get(raw_dtype) if isinstance(raw_dtype, str) else None
+        dtype = raw_dtype if isinstance(raw_dtype, str) and raw_dtype in DTYPE_ITEMSIZE else None
         if dtype is None:
             raise CorruptCheckpointError(
                 f"{self.at(fqn)} has dtype {_safeio._short(raw_dtype)}, not a known one"
@@ -314,10 +322,11 @@ class _Parser:
         raise CorruptCheckpointError(f"{at}: its chunk is in {name!r}, {why}")
 
     def _check_chunks(
-        self, first: int, shape: tuple[int, ...], numel: int, dtype: torch.dtype, fqn: str
+        self, first: int, shape: tuple[int, ...], numel: int, dtype: str, fqn: str
     ) -> None:
-        """The chunks of one tensor against its shape and dtype, then their coverage."""
-        t, ndim, item = self.t, len(shape), dtype.itemsize
+        """The chunks of one tensor against its shape and dtype (its name), then their
+        coverage."""
+        t, ndim, item = self.t, len(shape), DTYPE_ITEMSIZE[dtype]
         end = len(t.c_file)
         if end - first == 1 and t.c_box[t.c_box_at[first] :] == _whole(shape):
             if t.c_nbytes[first] != numel * item:  # the usual case: one chunk, the whole tensor
@@ -357,13 +366,13 @@ class _Parser:
         if not covers(shape, lo[full], size[full], self.at(fqn)):
             raise CorruptCheckpointError(f"{self.at(fqn)}: its chunks do not cover it exactly once")
 
-    def _bad_nbytes(self, j: int, sizes: tuple[int, ...], dtype: torch.dtype, fqn: str) -> None:
+    def _bad_nbytes(self, j: int, sizes: tuple[int, ...], dtype: str, fqn: str) -> None:
         n = 1
         for sz in sizes:
             n *= sz
         raise CorruptCheckpointError(
-            f"{self.at(fqn)}: a chunk of {list(sizes)} {dtype} holds {self.t.c_nbytes[j]} "
-            f"bytes, not {n * dtype.itemsize}"
+            f"{self.at(fqn)}: a chunk of {list(sizes)} torch.{dtype} holds "
+            f"{self.t.c_nbytes[j]} bytes, not {n * DTYPE_ITEMSIZE[dtype]}"
         )
 
     def _empty_tensor(self) -> None:

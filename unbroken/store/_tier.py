@@ -8,8 +8,15 @@ The run calls, on rank 0 (the one that owns the run directory)::
     tier.resumed(step, ...)    resuming from a local one: uploaded unless the store has it
     tier.after_commit(step)    after each local commit: upload it in the background, and
                                apply local retention, keeping what is not uploaded yet
+    tier.finishing()           finish() begins: its waits below end by one deadline
+    tier.close()               wait for the upload in flight (errors are logged), bounded
     tier.wait_durable()        at the end: the newest checkpoint is in the store, or an error
-    tier.close()               wait for the upload in flight (errors are logged)
+                               saying where it is and the command that uploads it
+
+Every wait is bounded by ``timeout`` (``remote_finish_timeout``): a store that accepts
+connections and never answers does not hold a finished run (botocore's own timeouts and
+retries add up to many minutes). Past it, the upload thread (a daemon, with daemon helpers) is
+abandoned: the process can exit, and the checkpoint is in the local tier.
 
 At most one upload is in flight; when checkpoints commit faster than they upload, only the
 newest waiting one is uploaded next (the skipped ones were superseded). A failed upload is
@@ -19,8 +26,11 @@ tier still holds it, and the store keeps its previous complete checkpoint.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shlex
+import sys
 import threading
 import time
 
@@ -36,9 +46,16 @@ log = _log.get("store")
 
 class RemoteTier:
     def __init__(
-        self, url: str, run_dir: str, store: CheckpointStore, retention: Retention
+        self,
+        url: str,
+        run_dir: str,
+        store: CheckpointStore,
+        retention: Retention,
+        timeout: float | None = None,
     ) -> None:
         self.remote = RemoteStore(url, retention)
+        self.timeout = timeout  # the longest finish() (or a stop) waits for the store
+        self._deadline: float | None = None  # finish()'s, once it began
         self.url = self.remote.url
         self.store = store
         self.metrics = os.path.join(run_dir, METRICS_FILE)
@@ -187,36 +204,105 @@ class RemoteTier:
         if deleted:
             log.info("unbroken: remote retention deleted steps %s from %s", deleted, self.url)
 
-    def wait(self) -> None:
-        """Block until no upload waits or runs."""
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until no upload waits or runs, at most ``timeout`` seconds; whether none
+        does."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._pending is not None or self._busy is not None:
-                self._cond.wait()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def finishing(self) -> None:
+        """``finish()`` begins: :meth:`close` and :meth:`wait_durable` end by one deadline,
+        ``timeout`` from now."""
+        if self.timeout is not None and self._deadline is None:
+            self._deadline = time.monotonic() + self.timeout
+
+    def _left(self) -> float | None:
+        """Seconds the next wait may take: to finish()'s deadline, else ``timeout``."""
+        if self._deadline is None:
+            return self.timeout
+        return max(self._deadline - time.monotonic(), 0.0)
+
+    def upload_command(self, step: int) -> str:
+        """The shell command that uploads the local checkpoint of ``step`` with its metrics
+        log (what a relaunch of the finished run does, without the run)."""
+        path = os.path.join(self.store.root, _layout.step_name(step))
+        code = (
+            "from unbroken.store import RemoteStore; "
+            f"RemoteStore({json.dumps(self.url)}).upload({json.dumps(path)}, "
+            f"{json.dumps(self.metrics)})"
+        )
+        return f"{shlex.quote(sys.executable)} -c {shlex.quote(code)}"
+
+    def _not_uploaded(self, step: int, why: str) -> str:
+        path = os.path.join(self.store.root, _layout.step_name(step))
+        return (
+            f"the final checkpoint (step {step}) is committed in {path} but NOT in {self.url}: "
+            f"{why}. It is kept there; to upload it later (with the metrics log it carries), "
+            f"run:\n  {self.upload_command(step)}\nor relaunch the same training command (the "
+            "run is complete: it only uploads, then exits 0)."
+        )
 
     def wait_durable(self) -> None:
         """Return once the newest committed checkpoint is in the store; else retry its upload
-        once (the network may be back) and raise RemoteStoreError saying where it is."""
-        self.wait()
+        once (the network may be back) and raise RemoteStoreError saying where it is and the
+        command that uploads it. Bounded: by finish()'s deadline (``timeout``)."""
+        self.finishing()
         step = self._newest
+        if not self.wait(self._left()):
+            raise self._stuck(step)
         if step is None or (self._durable is not None and self._durable >= step):
             return
-        try:
-            self._upload(step)
+        self._queue(step)  # the retry, in the upload thread: a wait on it can be bounded
+        if not self.wait(self._left()):
+            raise self._stuck(step)
+        if self._durable is not None and self._durable >= step:
             return
-        except Exception as e:
-            err: BaseException = e
-        path = os.path.join(self.store.root, _layout.step_name(step))
+        failed = self._failed
+        err = failed[1] if failed is not None else RemoteStoreError("the upload failed")
         raise RemoteStoreError(
-            f"the final checkpoint (step {step}) is committed in {path} but NOT in {self.url}: "
-            f"{err}. Relaunch the same command to retry the upload (the run is complete; it "
-            "only uploads), or copy the checkpoint there yourself.",
-            path=self.url,
-            step=step,
+            self._not_uploaded(step, str(err)), path=self.url, step=step
         ) from err
 
+    def _stuck(self, step: int | None) -> RemoteStoreError:
+        """The store did not answer within ``timeout``: said loudly, the command to upload."""
+        assert step is not None  # an upload in flight is of a committed step
+        why = (
+            f"the upload did not finish within {self.timeout:g} s (remote_finish_timeout): the "
+            f"store at {self.remote.objects.endpoint} accepts requests but does not answer "
+            "them, or is very slow"
+        )
+        msg = self._not_uploaded(step, why)
+        _log.event(log, logging.ERROR, "unbroken: %s", msg, step=step)
+        return RemoteStoreError(msg, path=self.url, step=step)
+
     def close(self) -> None:
-        """Wait for the upload in flight; a failure is logged (``wait_durable`` raises it)."""
-        self.wait()
+        """Wait for the upload in flight, at most ``timeout`` (finish(): to its deadline); a
+        failure is logged (``wait_durable`` raises it), and so is a store that did not
+        answer in time (the checkpoint is in the local tier)."""
+        if not self.wait(self._left()):
+            with self._cond:
+                step = self._busy if self._busy is not None else self._pending
+            if self._deadline is None and step is not None:  # a stop: finish() says it
+                _log.event(
+                    log,
+                    logging.ERROR,
+                    "unbroken: the upload of step %d to %s did not finish within %g s "
+                    "(remote_finish_timeout); the checkpoint is in %s, and the next launch "
+                    "uploads it (or run: %s)",
+                    step,
+                    self.url,
+                    self.timeout,
+                    self.store.root,
+                    self.upload_command(step),
+                    step=step,
+                )
+            return
         failed = self._failed
         if failed is not None and (self._durable is None or self._durable < failed[0]):
             _log.event(

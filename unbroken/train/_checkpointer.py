@@ -46,6 +46,7 @@ class Checkpointer:
         snapshot_every: int | None,
         remote: str | None = None,
         remote_retention: Retention | None = None,
+        remote_timeout: float | None = None,
     ) -> None:
         self.dir, self.rank, self.events = run_dir, rank, events
         self.store = CheckpointStore(run_dir, retention)
@@ -53,6 +54,7 @@ class Checkpointer:
         self._snapshot_dir, self._snapshot_every = snapshot_dir, snapshot_every
         self.snapshots: Snapshots | None = None
         self._remote_url, self._remote_retention = remote, remote_retention
+        self._remote_timeout = remote_timeout  # remote_finish_timeout
         self.remote: RemoteTier | None = None  # rank 0's, with remote=
         self._async: AsyncSaver | None = None
         self.last_saved_step: int | None = None
@@ -153,6 +155,11 @@ class Checkpointer:
         """The background saver (None: saves block)."""
         return self._async
 
+    def finishing(self) -> None:
+        """remote=: finish() begins; its waits for the store end by one deadline."""
+        if self.remote is not None:
+            self.remote.finishing()
+
     def wait_durable(self) -> None:
         """remote=: wait until the final checkpoint is in the object store (else raise)."""
         if self.remote is not None:
@@ -167,7 +174,9 @@ class Checkpointer:
             from ..store._tier import RemoteTier
 
             keep = self._remote_retention or self.store.retention
-            self.remote = RemoteTier(self._remote_url, self.dir, self.store, keep)
+            self.remote = RemoteTier(
+                self._remote_url, self.dir, self.store, keep, self._remote_timeout
+            )
         return self.remote
 
     def close_remote(self) -> None:

@@ -70,6 +70,11 @@ class RunConfig:
     remote_keep_last: int | None = _option(3, "save", framework=True)
     """Keep the newest N checkpoints in ``remote`` (None keeps all); ``keep_every`` applies
     too. ``unbroken verify`` keeps them all in the runs it launches."""
+    remote_finish_timeout: float | None = _option(120.0, "save", framework=True)
+    """The longest ``finish()`` waits for the final upload to ``remote`` (seconds; the upload
+    in flight, then one retry): past it, the run raises ``RemoteStoreError`` with the final
+    checkpoint kept locally and the command that uploads it. A stop (exit 75) waits as long
+    at most for the upload in flight. None: as long as the store takes."""
     async_save: bool = _option(False, "save", framework=True)
     """Block training only for a snapshot; write and commit in the background."""
     # ---- resume ----
@@ -154,6 +159,10 @@ class RunConfig:
                 raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
         if self.save_every_minutes is not None and self.save_every_minutes <= 0:
             raise ConfigError(f"save_every_minutes must be > 0, got {self.save_every_minutes!r}")
+        if self.remote_finish_timeout is not None and not self.remote_finish_timeout > 0:
+            raise ConfigError(
+                f"remote_finish_timeout must be > 0 or None, got {self.remote_finish_timeout!r}"
+            )
         if not isinstance(self.resume, bool) and self.resume < 0:
             raise ConfigError(f"resume must be True, False or a step number, got {self.resume!r}")
         if self.start_over and not isinstance(self.resume, bool):

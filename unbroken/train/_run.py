@@ -100,6 +100,7 @@ class Run:
             snapshot_every=cfg.snapshot_every,
             remote=cfg.remote,
             remote_retention=remote_retention(cfg, process),
+            remote_timeout=cfg.remote_finish_timeout,
         )
         self.store = self._checkpointer.store
         self._swap = ModelSwap(
@@ -452,6 +453,7 @@ class Run:
             self.save(blocking=True)
         c.complete = True
         self.wait()
+        self._checkpointer.finishing()  # remote=: what follows waits remote_finish_timeout at most
         self.close()
         self._checkpointer.wait_durable()  # remote=: exit 0 only once the store has it
 

@@ -77,6 +77,7 @@ def wait_for_turn() -> None:
     elif ctx.standby_fd is not None and _is_pipe(ctx.standby_fd):
         fd = ctx.standby_fd
     else:
+        _signals.IN_STANDBY = False  # no pipe: not a standby after all
         return
     cuda = _cuda_initialised()
     if cuda:
@@ -93,6 +94,7 @@ def wait_for_turn() -> None:
         log.info("unbroken: the supervisor is gone; the standby exits (nothing was touched)")
         raise SystemExit(EXIT_RESUMABLE)
     _signals.PROMOTED_AT = time.time()  # a time_limit counts from here, not the process start
+    _signals.IN_STANDBY = False  # the trainer now: its stops and failures are the job's
     _normal_priority()
 
 
