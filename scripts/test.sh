@@ -11,4 +11,4 @@ if [ "${1:-}" = "--fast" ]; then
     shift
     exec python -m pytest -q -m fast "$@"
 fi
-exec python -m pytest -q -n "${UNBROKEN_TEST_WORKERS:-2}" --dist loadfile "$@"
+exec python -m pytest -q -n "${UNBROKEN_TEST_WORKERS:-2}" --dist loadfile --durations=30 "$@"
