@@ -20,6 +20,7 @@ is refused; ``unbroken.DataLoader`` passes through ``prepare`` unchanged and is 
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 from .. import _log
@@ -44,6 +45,24 @@ class _AccumulationCounter:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.accelerator.step = int(state_dict["step"])
+
+
+def _prepared_models(accelerator: Any) -> list[Any]:
+    """The models as ``prepare`` returned them. ``accelerator._models`` holds them wrapped in
+    ``DistributedDataParallel`` on GPUs, but on CPU (``MULTI_CPU``, accelerate 1.x) the module
+    before DDP wrapped it, the DDP only in what ``prepare`` returned: that DDP is found by the
+    module it wraps (``ddp.module``)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    models = list(accelerator._models)
+    bare = {id(m) for m in models if not isinstance(m, DistributedDataParallel)}
+    if bare and int(getattr(accelerator, "num_processes", 1)) > 1:
+        models += [
+            obj
+            for obj in gc.get_objects()
+            if issubclass(type(obj), DistributedDataParallel) and id(obj.module) in bare
+        ]
+    return models
 
 
 def accelerate_run(accelerator: Any, run_dir: str, /, *, strict: bool = True, **kwargs: Any) -> Any:
@@ -100,5 +119,6 @@ def accelerate_run(accelerator: Any, run_dir: str, /, *, strict: bool = True, **
         inexact(
             "no unbroken.DataLoader was given (loader=...); the data position would not be saved"
         )
-    fix_layouts(accelerator._models)  # DDP as prepared: one reduction layout (train/_reduction)
+    # DDP as prepared: one reduction layout (train/_reduction).
+    fix_layouts(_prepared_models(accelerator))
     return Run(run_dir, **comps, **extra, **options)

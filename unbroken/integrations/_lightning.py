@@ -164,6 +164,7 @@ class _QuietSigterm:
     def hide(trainer: Any) -> _QuietSigterm:
         conn = trainer._signal_connector
         if not isinstance(conn, _QuietSigterm):
+            _LocalNotifier.replace(conn, trainer)
             conn = trainer._signal_connector = _QuietSigterm(conn)
         return conn
 
@@ -172,6 +173,49 @@ class _QuietSigterm:
         conn = getattr(trainer, "_signal_connector", None)
         if isinstance(conn, _QuietSigterm):
             trainer._signal_connector = conn._connector
+
+
+class _LocalNotifier:
+    """Lightning's SIGTERM notifier (``_SignalConnector._sigterm_notifier_fn``) without the
+    ``dist.broadcast`` it makes since 2.5, in the signal handler, on the signalled ranks only.
+
+    That collective pairs with whatever collective the other ranks issue next: a DDP bucket's
+    all-reduce, unbroken's stop agreement, or Lightning's own per-batch SIGTERM broadcast. A
+    SIGTERM that reaches one rank (a node's preemption), or reaches the ranks at different
+    points of a step, ends the job in a collective mismatch (gloo: "op.preamble.length <=
+    op.nbytes ... Received data size doesn't match expected size", an abort, the others
+    "Connection reset by peer") instead of a save and exit 75. unbroken's own stop agreement
+    at the step's end already stops every rank when any was signalled. The rest is Lightning's:
+    its launcher forwards the signal to the ranks it started, and its flag is set (read by
+    :class:`_QuietSigterm`)."""
+
+    def __init__(self, connector: Any, trainer: Any) -> None:
+        self.connector, self.trainer = connector, trainer
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if not self.connector.received_sigterm:
+            launcher = getattr(self.trainer.strategy, "launcher", None)
+            if launcher is not None:
+                launcher.kill(signum)
+        self.connector.received_sigterm = True
+
+    @staticmethod
+    def replace(connector: Any, trainer: Any) -> None:
+        """Put it in place of the connector's notifier in the SIGTERM handler Lightning
+        registered (a ``_HandlersCompose`` calling each of its ``signal_handlers``)."""
+        from .._signals import chained
+
+        notifier = getattr(type(connector), "_sigterm_notifier_fn", None)
+        for installed in (signal.getsignal(signal.SIGTERM), chained(signal.SIGTERM)):
+            handlers = getattr(installed, "signal_handlers", None)
+            if notifier is None or not isinstance(handlers, list):
+                continue
+            for i, handler in enumerate(handlers):
+                if (
+                    getattr(handler, "__self__", None) is connector
+                    and getattr(handler, "__func__", None) is notifier
+                ):
+                    handlers[i] = _LocalNotifier(connector, trainer)
 
 
 class _FitLoopState:
