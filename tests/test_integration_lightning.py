@@ -156,6 +156,21 @@ def test_torch_dataloader_is_refused_by_name(tmp_path: Path) -> None:
         _fit(tmp_path, torch.utils.data.DataLoader(_data(), batch_size=4))
 
 
+def test_a_loader_built_for_another_world_is_refused(tmp_path: Path) -> None:
+    """A loader built before fit() started the process group is a one-process loader: under
+    DDP every rank would train on the whole global batch. Here the mirror case (a loader for
+    rank 0 of 2 in a one-process fit) meets the same check, before anything trains."""
+    import unbroken
+    from unbroken import ConfigError
+
+    loader = unbroken.DataLoader(_data(), batch_size=4, seed=0, rank=0, world_size=2)
+    with pytest.raises(
+        ConfigError, match=r"built for rank 0 of 2, but this process is rank 0 of 1"
+    ):
+        _fit(tmp_path, loader)
+    assert not (tmp_path / "metrics.jsonl").exists() or not unbroken.read_metrics(str(tmp_path))
+
+
 def test_callback_without_state_is_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     import pytorch_lightning as pl
 

@@ -38,6 +38,7 @@ import torch
 from .. import _log
 from .._errors import ConfigError
 from .._exit import EXIT_RESUMABLE
+from ..data._contract import check_world
 from ..train._config import RunConfig
 from ..train._reduction import fix_layouts
 from . import _lightning_restart as restart
@@ -346,6 +347,9 @@ def _build(pl: Any) -> type:
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             for dl in self._train_loaders(trainer):
+                # A loader built before fit() started the process group is a one-process loader:
+                # every rank would train on the whole global batch. Said, not trained on.
+                check_world("train_dataloader", dl, trainer.global_rank, trainer.world_size)
                 if getattr(dl, "kind", None) != "loader" or not hasattr(dl, "load_state_dict"):
                     self._inexact(
                         f"the train dataloader is a {type(dl).__module__}.{type(dl).__qualname__}, "
