@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,3 +108,46 @@ def test_a_new_ddp_reduces_like_the_one_it_replaces(tmp_path: Path) -> None:
     codes, errs = launch(LAYOUT, ["--out", str(tmp_path / "plain"), "--plain"], 3)
     assert codes == [0, 0, 0], errs
     assert (tmp_path / "plain").read_text().split()[:2] == ["identical", "False"]
+
+
+_STANDS_ASIDE = """
+import tempfile, warnings, torch, torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from unbroken.train._reduction import fix_layouts, fix_reduction_layout
+dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp()), rank=0, world_size=1)
+DDP = torch.nn.parallel.DistributedDataParallel
+sparse = DDP(torch.nn.Sequential(torch.nn.Embedding(9, 4, sparse=True), torch.nn.Linear(4, 1)))
+hooked = DDP(torch.nn.Linear(4, 1))
+hooked.register_comm_hook(None, default_hooks.allreduce_hook)
+unused = DDP(torch.nn.Linear(4, 1), find_unused_parameters=True)
+plain = DDP(torch.nn.Linear(4, 1))
+print("sparse:", fix_reduction_layout(sparse))
+print("hooked:", fix_reduction_layout(hooked))
+print("unused:", fix_reduction_layout(unused), getattr(unused, "_unbroken_reduction", None))
+print("plain:", fix_reduction_layout(plain), type(plain._unbroken_reduction).__name__)
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    fix_layouts([hooked])
+print("warned:", [type(x.message).__name__ for x in w])
+"""
+
+
+def test_what_it_cannot_fix_is_named_and_left_as_it_is() -> None:
+    """A hook of the user's or a sparse embedding: the layout is left to DDP and the reason
+    named (a ResumeWarning from Run()); find_unused_parameters=True needs nothing (DDP never
+    rebuilds then)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _STANDS_ASIDE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines())
+    assert "sparse embedding" in lines["sparse"] and "not bit for bit" in lines["sparse"]
+    assert "communication hook of its own" in lines["hooked"]
+    assert lines["unused"] == "None None"
+    assert lines["plain"] == "None _FixedLayout"
+    assert lines["warned"] == "['ResumeWarning']"

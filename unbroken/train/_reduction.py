@@ -76,6 +76,14 @@ def fix_reduction_layout(ddp: Any) -> str | None:
             "gradients in DDP's first-iteration layout, which at 3 ranks or more is not bit for "
             "bit (docs/distributed.md, 'What is bitwise where')"
         )
+    sparse = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+    if any(isinstance(m, sparse) and m.sparse for m in ddp.module.modules()):
+        # DDP gives a sparse gradient a bucket of its own, reduced as sparse: not flattened.
+        return (
+            "the DistributedDataParallel model has a sparse embedding (sparse=True): unbroken "
+            "does not fix its reduction layout, so the first step after a resume at 3 ranks or "
+            "more is not bit for bit (docs/distributed.md, 'What is bitwise where')"
+        )
     reduction = _FixedLayout(ddp)
     try:
         ddp.register_comm_hook(reduction, _reduce_bucket)
