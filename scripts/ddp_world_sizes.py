@@ -21,12 +21,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.dist_launch import launch  # noqa: E402
-from tests.golden import assert_identical, resume_steps  # noqa: E402
-from tests.test_ddp_world_sizes import SAVE_EVERY, TOY, VARIANTS, _args, draw_stops  # noqa: E402
+from tests.golden import (  # noqa: E402
+    assert_identical,
+    draw_stops,  # noqa: E402
+    resume_steps,
+)
+from tests.test_ddp_world_sizes import SAVE_EVERY, STEPS, TOY, VARIANTS, _args  # noqa: E402
 
 
 def one(world: int, variant: str, ref: Path, cut: Path, seed: str) -> str:
-    kill, term = draw_stops(seed)
+    kill, term = draw_stops(seed, STEPS, SAVE_EVERY)
     args = ["--run-dir", str(cut), *_args(variant, world)]
     launch(TOY, [*args, "--signal-at", str(kill), "--signal", "KILL"], world)
     launch(TOY, [*args, "--signal-at", str(term), "--signal", "TERM"], world)

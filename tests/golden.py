@@ -235,3 +235,23 @@ def resume_steps(run_dir: Path) -> list[int]:
     """The steps the run resumed at, in order (the log's resume events)."""
     events = read_metrics(str(run_dir), events=True)
     return [r["step"] for r in events if r.get("event") == "resume"]
+
+
+def draw_stops(seed: str, steps: int, save_every: int) -> tuple[int, int]:
+    """A SIGKILL step after the first checkpoint, and a SIGTERM step after the checkpoint the
+    relaunch resumes from: both logged steps, both placed so each relaunch resumes from one."""
+    import random
+
+    rng = random.Random(seed)
+    kill = rng.randint(save_every + 1, steps - 4)
+    term = rng.randint(kill + 1, steps - 2)
+    return kill, term
+
+
+def trainer_state(run_dir: Path) -> dict[str, Any]:
+    """The Trainer's saved ``TrainerState`` without the wall-clock fields of its log history."""
+    state = final_state(run_dir)[1]["trainer_state"]
+    for entry in state["state"]["log_history"]:
+        for key in [k for k in entry if k.endswith(("_runtime", "_per_second"))]:
+            del entry[key]
+    return dict(state)

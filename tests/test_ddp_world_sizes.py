@@ -16,7 +16,6 @@ with ``torch.equal`` and every logged step. ``UNBROKEN_TEST_SEED`` redraws the s
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_launch import launch
-from tests.golden import ROOT, assert_identical, resume_steps
+from tests.golden import ROOT, assert_identical, draw_stops, resume_steps
 
 TOY = ROOT / "tests" / "scripts" / "toy_dist.py"
 LAYOUT = ROOT / "tests" / "scripts" / "ddp_layout.py"
@@ -59,15 +58,6 @@ def _reference(world: int, variant: str, tmp_path_factory: pytest.TempPathFactor
     return _references[key]
 
 
-def draw_stops(seed: str) -> tuple[int, int]:
-    """A SIGKILL step after the first checkpoint, and a SIGTERM step after the checkpoint the
-    relaunch resumes from: both logged steps, both placed so each relaunch resumes from one."""
-    rng = random.Random(seed)
-    kill = rng.randint(SAVE_EVERY + 1, STEPS - 4)
-    term = rng.randint(kill + 1, STEPS - 2)
-    return kill, term
-
-
 @pytest.mark.parametrize("world", [3, 4])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_kill_and_stop_resume_bit_for_bit(
@@ -75,7 +65,7 @@ def test_kill_and_stop_resume_bit_for_bit(
 ) -> None:
     ref = _reference(world, variant, tmp_path_factory)
     seed = f"{os.environ.get('UNBROKEN_TEST_SEED', '45')}-{world}-{variant}"
-    kill, term = draw_stops(seed)
+    kill, term = draw_stops(seed, STEPS, SAVE_EVERY)
     cut = tmp_path / "cut"
     args = ["--run-dir", str(cut), *_args(variant, world)]
     codes, _ = launch(TOY, [*args, "--signal-at", str(kill), "--signal", "KILL"], world)

@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.dist_launch import launch
-from tests.golden import ROOT, assert_identical, resume_steps
+from tests.golden import ROOT, assert_identical, draw_stops, resume_steps
 
 WORLD, STEPS, SAVE_EVERY = 3, 14, 4
 INTERRUPT = ROOT / "tests" / "scripts" / "interrupt.py"
@@ -106,22 +105,13 @@ def _reference(case: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _references[case]
 
 
-def draw_stops(seed: str) -> tuple[int, int]:
-    """A SIGKILL step after the first checkpoint, and a SIGTERM step after the checkpoint the
-    relaunch resumes from: both logged steps, both placed so each relaunch resumes from one."""
-    rng = random.Random(seed)
-    kill = rng.randint(SAVE_EVERY + 1, STEPS - 4)
-    term = rng.randint(kill + 1, STEPS - 2)
-    return kill, term
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_kill_and_stop_resume_bit_for_bit(
     case: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     ref = _reference(case, tmp_path_factory)
     seed = f"{os.environ.get('UNBROKEN_TEST_SEED', '45')}-{case}"
-    kill, term = draw_stops(seed)
+    kill, term = draw_stops(seed, STEPS, SAVE_EVERY)
     cut = tmp_path / "cut"
     args = _args(case, cut)
     assert _launch(case, [*args, "--signal-at", str(kill), "--signal", "KILL"]) == [-9] * WORLD

@@ -22,9 +22,9 @@ from safetensors.torch import load_file  # noqa: E402
 from tests.golden import (  # noqa: E402
     ROOT,
     assert_identical,
-    final_state,
     launch,
     run_interrupted,
+    trainer_state,
 )
 
 EXAMPLE = ROOT / "examples" / "hf_trainer_lm.py"
@@ -50,7 +50,7 @@ def test_interrupted_equals_uninterrupted(reference: Path, tmp_path: Path) -> No
     # Every tensor, every component's state, the metrics log; the TrainerState below, without
     # the wall-clock fields the Trainer puts into its log history (eval_runtime, ...).
     assert_identical(reference, tmp_path, ignore=("trainer_state",))
-    sa, sb = _trainer_state(reference), _trainer_state(tmp_path)
+    sa, sb = trainer_state(reference), trainer_state(tmp_path)
     assert sa == sb
     assert [e["step"] for e in sa["state"]["log_history"] if "loss" in e] == list(range(1, 15))
     assert [e["step"] for e in sa["state"]["log_history"] if "eval_loss" in e] == [5, 10, 14]
@@ -60,14 +60,6 @@ def test_interrupted_equals_uninterrupted(reference: Path, tmp_path: Path) -> No
     assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
     assert (reference / "trace.jsonl").read_text() == (tmp_path / "trace.jsonl").read_text()
     assert len((tmp_path / "trace.jsonl").read_text().splitlines()) == 14
-
-
-def _trainer_state(run_dir: Path) -> dict:
-    state = final_state(run_dir)[1]["trainer_state"]
-    for entry in state["state"]["log_history"]:
-        for key in [k for k in entry if k.endswith(("_runtime", "_per_second"))]:
-            del entry[key]
-    return state
 
 
 def test_trainer_own_resume_diverges(tmp_path: Path) -> None:

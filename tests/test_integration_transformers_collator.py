@@ -28,10 +28,10 @@ pytest.importorskip("transformers")
 from tests.golden import (  # noqa: E402
     ROOT,
     assert_identical,
-    final_state,
     launch,
     resume_steps,
     run_interrupted,
+    trainer_state,
 )
 
 SCRIPT = ROOT / "tests" / "scripts" / "hf_mlm.py"
@@ -67,15 +67,7 @@ def test_random_collator_resumes_exactly(case: str, tmp_path: Path) -> None:
     # Every tensor (torch.equal), every component's state, every step's loss and batch
     # checksum; the TrainerState without the wall-clock fields of its log history.
     assert_identical(ref, run, ignore=("trainer_state",))
-    assert _trainer_state(ref) == _trainer_state(run)
-
-
-def _trainer_state(run_dir: Path) -> dict:
-    state = final_state(run_dir)[1]["trainer_state"]
-    for entry in state["state"]["log_history"]:
-        for key in [k for k in entry if k.endswith(("_runtime", "_per_second"))]:
-            del entry[key]
-    return state
+    assert trainer_state(ref) == trainer_state(run)
 
 
 def test_a_collator_with_a_generator_of_its_own_is_refused(tmp_path: Path) -> None:
