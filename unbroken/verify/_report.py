@@ -156,11 +156,13 @@ class VerifyReport(FirstDifferences):
 def _launched(kinds: list[str], side_by_side: bool) -> str:
     """``launch 1, 3 new processes; 2, 4 forked from a pre-imported interpreter``."""
     parts = []
-    for kind, words in (("process", "new processes"), ("fork", "forked (pre-imported torch)")):
+    for kind, one, many in (
+        ("process", "new process", "new processes"),
+        ("fork", "forked (pre-imported torch)", "forked (pre-imported torch)"),
+    ):
         ids = [str(i) for i, k in enumerate(kinds, 1) if k == kind]
         if ids:
-            one = words.replace("processes", "process").replace("forked", "forked")
-            parts.append(f"{', '.join(ids)} {words if len(ids) > 1 else one}")
+            parts.append(f"{', '.join(ids)} {many if len(ids) > 1 else one}")
     where = "beside the reference" if side_by_side else "after the reference"
     return f"launch {'; '.join(parts)}; {where}"
 

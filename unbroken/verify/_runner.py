@@ -91,7 +91,8 @@ def verify_resume(
 
     What it costs: the interrupted run trains beside the reference (``side_by_side``; by
     default where the machine has two cores or more), planned from the ``max_steps`` and
-    ``save_every`` its Run told; its relaunches after a SIGKILL or SIGTERM are forked from an
+    ``save_every`` its Run told (``step_progress`` then follows the interrupted run alone); its
+    relaunches after a SIGKILL or SIGTERM are forked from an
     interpreter that imported torch once (``fork``; ``python SCRIPT`` and ``python -m MODULE``
     commands), while its first launch and the one killed during a save start as new processes.
     The report says which launch was which.
@@ -124,11 +125,13 @@ def verify_resume(
     ref_dir = os.path.join(work, "reference")
     other_dir = os.path.join(work, "interrupted")
     ref_thread = _Background(ref.reference, ref_dir) if side_by_side and interrupts > 0 else None
+    if ref_thread is None:
+        ref.tick = step_progress  # side by side, progress follows the interrupted run alone
     t0 = time.perf_counter()
     try:
         if ref_thread is not None:
             ref_thread.start()
-            schedule = _wait_schedule(ref, ref_thread)
+            schedule = _wait_schedule(ref, ref_thread, notes)
         else:
             schedule = None
         if schedule is None:  # plan from what the reference did, once it is done
@@ -289,10 +292,12 @@ class _Background(threading.Thread):
         return self._result
 
 
-def _wait_schedule(ref: _Session, thread: _Background) -> tuple[int, list[int]] | None:
+def _wait_schedule(
+    ref: _Session, thread: _Background, notes: list[str]
+) -> tuple[int, list[int]] | None:
     """The reference's planned steps and save steps, as its Run told them (max_steps,
     save_every) when it opened; None if it told no such thing before it ended (no
-    max_steps, saves by the clock): the plan waits for the run then."""
+    max_steps, saves by the clock) or it uses CUDA: the plan waits for the run then."""
     where = os.path.join(ref.work, "stops", "reference-1")
     while thread.is_alive():
         told = _stops.read_schedule(where)
@@ -300,9 +305,25 @@ def _wait_schedule(ref: _Session, thread: _Background) -> tuple[int, list[int]] 
             total, every = told
             if every is None:
                 return None
+            tree = ref._tree
+            if tree is not None and any(_uses_cuda(pid) for pid in tree.members()):
+                notes.append(
+                    "the reference run uses CUDA: the interrupted run trained after it, not "
+                    "beside it (one GPU's memory may not hold two runs)"
+                )
+                return None
             return total, sorted({*range(every, total + 1, every), total})
         time.sleep(0.01)
     return None
+
+
+def _uses_cuda(pid: int) -> bool:
+    """The process has the CUDA driver loaded (torch loads it when it first uses CUDA)."""
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            return b"libcuda.so" in f.read()
+    except OSError:
+        return False
 
 
 @dataclass(slots=True)
