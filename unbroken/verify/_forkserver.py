@@ -214,11 +214,11 @@ def _child(req: dict[str, Any], out: IO[bytes]) -> None:
 
         sys.argv = list(req["argv"])
         if req["module"]:
-            sys.path[0] = os.getcwd()
+            sys.path.insert(0, os.getcwd())  # as `python -m` does (the server popped its own)
             runpy.run_module(req["target"], run_name="__main__", alter_sys=True)
         else:
             sys.argv[0] = req["target"]
-            sys.path[0] = os.path.dirname(req["target"])
+            sys.path.insert(0, os.path.dirname(req["target"]))  # as `python SCRIPT` does
             runpy.run_path(req["target"], run_name="__main__")
         code = 0
     except SystemExit as e:
@@ -248,6 +248,10 @@ def _child(req: dict[str, Any], out: IO[bytes]) -> None:
 def serve() -> None:
     import select
 
+    # Started by path: sys.path[0] is this package's directory, whose modules must not
+    # shadow anything the imports below (or a child) look for.
+    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+        sys.path.pop(0)
     # What takes the time of a start-up; the script's other imports are its own.
     import torch  # noqa: F401
 

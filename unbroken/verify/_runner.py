@@ -104,8 +104,14 @@ def verify_resume(
     deadline = None if timeout is None else time.monotonic() + timeout
     if side_by_side is None:
         side_by_side = _cores() >= 2
-    ref = _Session(argv, work, deadline, say)
-    s = _Session(argv, work, deadline, say)
+    base = dict(os.environ)
+    if side_by_side and interrupts > 0 and "OMP_NUM_THREADS" not in base:
+        # Two runs of torch's default (a thread per core) on the same cores oversubscribe
+        # them, and OpenMP threads spinning for each other can make both slower than one
+        # after the other. Every launch of both runs gets the same setting.
+        base["OMP_NUM_THREADS"] = str(max(1, _cores() // 2))
+    ref = _Session(argv, work, deadline, say, base)
+    s = _Session(argv, work, deadline, say, base)
     s.tick = step_progress
     notes = []
     if not any(PLACEHOLDER in a for a in argv):
@@ -115,7 +121,7 @@ def verify_resume(
         )
     if fork and interrupts > 0 and forkable(argv) is not None:
         # Started now: it imports torch while the reference run starts.
-        env = _protocol.verify_env(os.environ, run_dir=work)
+        env = _protocol.verify_env(base, run_dir=work)
         s.forks = ForkServer(argv[0], env, os.path.join(work, "forkserver.log"))
     elif fork and interrupts > 0:
         notes.append(
@@ -336,8 +342,16 @@ class _Outcome:
 
 
 class _Session:
-    def __init__(self, argv: list[str], work: str, deadline: float | None, say: Progress):
+    def __init__(
+        self,
+        argv: list[str],
+        work: str,
+        deadline: float | None,
+        say: Progress,
+        base: dict[str, str] | None = None,
+    ):
         self.argv, self.work, self.deadline, self.say = argv, work, deadline, say
+        self.base = dict(os.environ) if base is None else base  # the launches' environment
         self.tick: StepProgress | None = None
         self._live: tuple[str, str, int | None] = ("", "", None)  # label, run dir, total
         self._tree: _tree.Tree | None = None  # the current launch's processes
@@ -467,7 +481,7 @@ class _Session:
         argv = [a.replace(PLACEHOLDER, run_dir) for a in self.argv]
         tag = _tree.new_tag()
         self._stop_dir = os.path.join(self.work, "stops", f"{name}-{launch}")
-        env = _protocol.verify_env(os.environ, run_dir=run_dir)
+        env = _protocol.verify_env(self.base, run_dir=run_dir)
         env = _protocol.launch_env(env, job_tag=tag, stop_dir=self._stop_dir)
         self._killed_at = None
         log = open(os.path.join(self.work, f"{name}.log"), "ab")
