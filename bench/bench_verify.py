@@ -9,7 +9,10 @@ workload, one plain run and one `unbroken verify` of the same command (the CLI a
 it), in an order that alternates between repeats so that the machine's load hits both sides.
 The ratio is taken per repeat (verify / the plain run beside it); the table gives its median
 and spread (min..max), the medians of both sides, the launches verify forked, and the load
-average. Last, one JSON line. Target: verify <= 1.5x one run (K = 3, same coverage).
+average. Beside the wall-clock ratio, the CPU ratio (user + system seconds of every process
+each side ran, from getrusage): what the two sides cost a machine with no core to spare, where
+running side by side buys nothing. Last, one JSON line. Target: verify <= 1.5x one run (K = 3,
+same coverage), wall clock.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -39,28 +43,36 @@ def load() -> float:
         return float(f.read().split()[0])
 
 
-def plain(args: list[str]) -> float:
+def cpu() -> float:
+    """User + system seconds of every child process waited for so far (and theirs)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def plain(args: list[str]) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as d:
-        t0 = time.perf_counter()
+        c0, t0 = cpu(), time.perf_counter()
         subprocess.run(
             [sys.executable, str(SCRIPT), "--run-dir", d, *args],
             check=True,
             capture_output=True,
             cwd=ROOT,
         )
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, cpu() - c0
 
 
-def verify(args: list[str], interrupts: int, seed: int, extra: list[str]) -> tuple[float, dict]:
+def verify(
+    args: list[str], interrupts: int, seed: int, extra: list[str]
+) -> tuple[float, float, dict]:
     cmd = [sys.executable, "-m", "unbroken", "verify", "--json", "--quiet", *extra]
     cmd += ["--interrupts", str(interrupts), "--seed", str(seed), "--"]
     cmd += [sys.executable, str(SCRIPT), "--run-dir", "{run_dir}", *args]
-    t0 = time.perf_counter()
+    c0, t0 = cpu(), time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    took = time.perf_counter() - t0
+    took, used = time.perf_counter() - t0, cpu() - c0
     if not proc.stdout:
         raise SystemExit(f"unbroken verify failed:\n{proc.stderr[-3000:]}")
-    return took, json.loads(proc.stdout)
+    return took, used, json.loads(proc.stdout)
 
 
 def spread(xs: list[float], fmt: str = ".1f") -> str:
@@ -79,7 +91,8 @@ def main() -> None:
     extra = a.verify_args.split()
     names = [a.only] if a.only else list(WORKLOADS)
     res: dict[str, dict[str, list]] = {
-        n: {"plain": [], "verify": [], "ratio": [], "forked": [], "passed": []} for n in names
+        n: {k: [] for k in ("plain", "verify", "ratio", "cpu_ratio", "forked", "passed")}
+        for n in names
     }
     loads: list[float] = []
     for r in range(a.repeats):
@@ -89,17 +102,20 @@ def main() -> None:
             first_plain = (r + i) % 2 == 0
             for what in ("plain", "verify") if first_plain else ("verify", "plain"):
                 if what == "plain":
-                    res[name]["plain"].append(plain(args))
+                    took, plain_cpu = plain(args)
+                    res[name]["plain"].append(took)
                 else:
-                    took, report = verify(args, a.interrupts, r, extra)
+                    took, verify_cpu, report = verify(args, a.interrupts, r, extra)
                     res[name]["verify"].append(took)
                     res[name]["passed"].append(bool(report.get("passed")))
                     res[name]["forked"].append(report.get("launched", []).count("fork"))
             x = res[name]
             x["ratio"].append(x["verify"][-1] / x["plain"][-1])
+            x["cpu_ratio"].append(verify_cpu / plain_cpu)
             print(
                 f"repeat {r + 1} {name}: plain {x['plain'][-1]:.1f} s, verify "
-                f"{x['verify'][-1]:.1f} s, {x['ratio'][-1]:.2f}x (load {loads[-1]:.1f})",
+                f"{x['verify'][-1]:.1f} s, {x['ratio'][-1]:.2f}x; CPU {plain_cpu:.1f} s vs "
+                f"{verify_cpu:.1f} s, {x['cpu_ratio'][-1]:.2f}x (load {loads[-1]:.1f})",
                 flush=True,
             )
     loads.append(load())
@@ -110,13 +126,17 @@ def main() -> None:
         f"{os.cpu_count()} cores"
     )
     print()
-    print("| script | one run, s | verify, s | verify / run | forked launches | passed |")
-    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    print(
+        "| script | one run, s | verify, s | verify / run | CPU: verify / run | forked launches "
+        "| passed |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for name in names:
         x = res[name]
         print(
             f"| {name} ({' '.join(WORKLOADS[name])}) | {spread(x['plain'])} | "
             f"{spread(x['verify'])} | {spread(x['ratio'], '.2f')} | "
+            f"{spread(x['cpu_ratio'], '.2f')} | "
             f"{statistics.median(x['forked']):g} | {all(x['passed'])} |"
         )
     print()
@@ -138,6 +158,7 @@ def main() -> None:
             "ratio": round(med, 3),
             "ratio_min": round(min(x["ratio"]), 3),
             "ratio_max": round(max(x["ratio"]), 3),
+            "cpu_ratio": round(statistics.median(x["cpu_ratio"]), 3),
             "ok": med <= TARGET,
             "all_passed": all(x["passed"]),
         }
