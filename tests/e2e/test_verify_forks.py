@@ -35,6 +35,7 @@ def test_relaunches_are_forked_and_the_save_kill_is_a_new_process(tmp_path: Path
     assert report.checkpoints_compared == [4, 8, 12, 16]
     assert report.side_by_side == (_cores() >= 2)
     assert report.launched[0] == "process" and "fork" in report.launched, report.launched
+    assert report.reference_launched == "fork"
     assert len(report.launched) == report.launches
     (save,) = [i for i in report.interruptions if i.moment.startswith("save of step")]
     assert save.launch == 1 and save.process == "process" and save.during_save
@@ -50,6 +51,7 @@ def test_no_fork_and_one_at_a_time(tmp_path: Path) -> None:
     )
     assert report.passed, report.summary()
     assert report.launched == ["process", "process"] and not report.side_by_side
+    assert report.reference_launched == "process"
 
 
 RESUME_FAILS = """

@@ -76,7 +76,9 @@ def test_the_report_says_which_launch_was_forked() -> None:
     )
     text = report.summary()
     assert "SIGTERM at step 6 (a fork)" in text
-    assert "launched: launch 1 new process; 2, 3 forked (pre-imported torch); beside the" in text
+    assert "launched: reference a new process; interrupted run: launch 1 new process; 2, 3 " in text
+    assert "forked (pre-imported torch); beside the reference" in text
     d = report.as_dict()
     assert d["launched"] == ["process", "fork", "fork"] and d["side_by_side"] is True
+    assert d["reference_launched"] == "process"
     assert [i["process"] for i in d["interruptions"]] == ["process", "fork"]

@@ -7,8 +7,8 @@ Why a fork is an honest relaunch for ``unbroken verify``: the server never runs 
 a child starts with no training state at all -- whatever it trains on comes from the run
 directory's checkpoint, exactly as for a new process. What a child shares with its siblings
 and not with a new interpreter is reset or left out: Python's and NumPy's global random
-streams are reseeded from the OS (a new interpreter seeds them so; torch's default generator
-is untouched by the import and holds its fixed default seed, as in a new process); ``hash()``
+streams, and torch's default generator, are reseeded from the OS, as a new interpreter seeds
+them; ``hash()``
 of a string keeps the server's seed, which differs from the reference run's (a real process),
 so a script that depends on it still shows up. unbroken itself is not imported by the server
 (its import is cheap, and it keeps per-process state from its import: the process that owns
@@ -96,6 +96,7 @@ class ForkServer:
         self._codes: dict[int, int] = {}
         self._started: list[dict[str, Any]] = []
         self._gone = False
+        self._ready: bool | None = None
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="unbroken-forkserver", daemon=True)
         self._reader.start()
@@ -121,8 +122,10 @@ class ForkServer:
         """The server imported everything and can fork (False: it cannot, or did not say so
         in ``timeout`` seconds; launches are processes then)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._started or self._gone, timeout)
-            return bool(self._started) and self._started.pop(0).get("ready") is True
+            if self._ready is None:
+                self._cond.wait_for(lambda: self._started or self._gone, timeout)
+                self._ready = bool(self._started) and self._started.pop(0).get("ready") is True
+            return self._ready
 
     def spawn(
         self, argv: list[str], env: Mapping[str, str], cwd: str, log_path: str
@@ -205,12 +208,15 @@ def _child(req: dict[str, Any], out: IO[bytes]) -> None:
         if req.get("unbuffered"):
             sys.stdout.reconfigure(write_through=True)  # type: ignore[union-attr]
             sys.stderr.reconfigure(write_through=True)  # type: ignore[union-attr]
-        # A new interpreter seeds these from the OS; a fork would share the server's state.
+        # A new interpreter seeds these from the OS (torch's default generator too, in this
+        # torch); a fork would share the server's state.
         import random
 
         random.seed()
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
+        if "torch" in sys.modules:
+            sys.modules["torch"].seed()
         import runpy
 
         sys.argv = list(req["argv"])

@@ -51,6 +51,8 @@ class VerifyReport(FirstDifferences):
     launched: list[str] = field(default_factory=list)
     """How each launch of the interrupted run started, in order: ``process`` (the command as
     a new process) or ``fork`` (forked from an interpreter that had imported torch)."""
+    reference_launched: str = "process"
+    """How the reference run started: ``process`` or ``fork``."""
     side_by_side: bool = False
     """The interrupted run trained beside the reference, not after it."""
     differences: list[Difference] = field(default_factory=list)
@@ -83,6 +85,7 @@ class VerifyReport(FirstDifferences):
             "interruptions": [asdict(i) for i in self.interruptions],
             "resumed_from": list(self.resumed_from),
             "launched": list(self.launched),
+            "reference_launched": self.reference_launched,
             "side_by_side": self.side_by_side,
             "first_difference": first.as_dict() if first else None,
             "first_metric_difference": metric.as_dict() if metric else None,
@@ -124,7 +127,11 @@ class VerifyReport(FirstDifferences):
             + (", ".join(map(str, self.resumed_from)) or "-")
         )
         if self.launched:
-            lines.append(f"  launched: {_launched(self.launched, self.side_by_side)}")
+            ref = "forked" if self.reference_launched == "fork" else "a new process"
+            lines.append(
+                f"  launched: reference {ref}; interrupted run: "
+                f"{_launched(self.launched, self.side_by_side)}"
+            )
         steps = ", ".join(map(str, self.checkpoints_compared)) or "none"
         lines.append(
             f"  compared: checkpoints at steps {steps} (every tensor and all state), "

@@ -123,6 +123,7 @@ def verify_resume(
         # Started now: it imports torch while the reference run starts.
         env = _protocol.verify_env(base, run_dir=work)
         s.forks = ForkServer(argv[0], env, os.path.join(work, "forkserver.log"))
+        ref.forks = s.forks
     elif fork and interrupts > 0:
         notes.append(
             "every launch a new process: only `python SCRIPT.py ...` and `python -m MODULE "
@@ -193,6 +194,7 @@ def verify_resume(
         launches=outcome.launches,
         resumed_from=outcome.resumed_from,
         launched=outcome.launched,
+        reference_launched=ref.launched,
         side_by_side=ref_thread is not None,
         differences=cmp.differences,
         hints=hints_for(cmp, outcome.resumed_from),
@@ -360,6 +362,7 @@ class _Session:
         self.forks: ForkServer | None = None  # relaunches fork from it (None: processes)
         self._forks_ok: bool | None = None  # the server said it can fork (None: not asked)
         self.aborted = threading.Event()  # the other run failed or verify is ending: stop
+        self.launched = PROCESS  # how the reference started
 
     def _show(self) -> None:
         label, run_dir, total = self._live
@@ -371,7 +374,10 @@ class _Session:
     def reference(self, run_dir: str) -> tuple[int, list[int]]:
         self.say(f"reference run (uninterrupted) in {run_dir}")
         t0 = time.perf_counter()
-        proc, log = self._start(run_dir, "reference", 1)
+        # Forked where it can be: the first launch of the interrupted run, a new process, is
+        # what shows a script that does not repeat itself from a new process on.
+        self.launched = FORK if self._can_fork([]) else PROCESS
+        proc, log = self._start(run_dir, "reference", 1, fork=self.launched == FORK)
         self._live = ("reference", run_dir, None)
         try:
             code = self._finish(proc, log)
