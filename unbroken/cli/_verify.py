@@ -27,10 +27,10 @@ and hints at the likely cause, ranked from there.
 The interrupted run trains beside the reference where the machine has 2 cores or more
 (--one-at-a-time: after it), planned from the max_steps and save_every its Run reports. Its
 first launch, which is also the one killed during a save, starts CMD as a new process; the
-relaunches after a SIGKILL or SIGTERM are forked from an interpreter that imported torch once,
-as new processes that resume from the run directory (--no-fork: every launch a new process;
-only `python SCRIPT.py ...` and `python -m MODULE ...` can be forked). The report says which
-launch was which.
+reference and the relaunches after a SIGKILL or SIGTERM are forked from an interpreter that
+imported torch once, as new processes that resume from the run directory (--no-fork: every
+launch a new process; only `python SCRIPT.py ...` and `python -m MODULE ...` can be forked).
+The report says which launch was which.
 
 CMD must use unbroken.Run and take its run directory from the placeholder {{run_dir}} in its
 arguments (replaced by each run's directory) or from the environment variable

@@ -91,10 +91,10 @@ def verify_resume(
 
     What it costs: the interrupted run trains beside the reference (``side_by_side``; by
     default where the machine has two cores or more), planned from the ``max_steps`` and
-    ``save_every`` its Run told (``step_progress`` then follows the interrupted run alone); its
-    relaunches after a SIGKILL or SIGTERM are forked from an
-    interpreter that imported torch once (``fork``; ``python SCRIPT`` and ``python -m MODULE``
-    commands), while its first launch and the one killed during a save start as new processes.
+    ``save_every`` its Run told (``step_progress`` then follows the interrupted run alone); the
+    reference and the relaunches after a SIGKILL or SIGTERM are forked from an interpreter that
+    imported torch once (``fork``; ``python SCRIPT`` and ``python -m MODULE`` commands), while
+    the interrupted run's first launch and the one killed during a save are new processes.
     The report says which launch was which.
     """
     argv = _check_command(cmd)
