@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from unbroken import _stops
+from unbroken.process import _stops
 from unbroken.verify import VerifyReport, plan_interrupts
 from unbroken.verify._forkserver import forkable
 from unbroken.verify._report import Interruption
