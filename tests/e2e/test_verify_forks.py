@@ -1,6 +1,6 @@
 """`unbroken verify` at its cost: the interrupted run beside the reference, its first launch
 (killed during a save) a new process, its relaunches forked from a pre-imported interpreter --
-and the verdict as honest as with new processes (tests/test_seeded_bugs.py runs every seeded
+and the verdict as honest as with new processes (tests/e2e/test_seeded_bugs.py runs every seeded
 bug through the forks too)."""
 
 from __future__ import annotations
