@@ -32,7 +32,8 @@ from ..data._seeding import derive
 from ..state._adapters import _is_dtensor, unwrap
 
 STATE_VERSION = 1
-_BUCKET = 1 << 22  # elements per all-gather: bounds the receive buffer at K * 4M elements
+# Elements per message of the chain sum: bucket b is on the wire while bucket b+1 is added.
+_BUCKET = 1 << 19
 
 
 @dataclass
@@ -250,11 +251,25 @@ class CanonicalShards:
                 layout.params[i].grad = None
 
     def _reduce(self, layout: _Layout) -> None:
-        """All-gather the K shards' gradients and add them in shard order (every rank alike)."""
+        """Sum the K shards' gradients in shard order (every rank alike) into ``p.grad``."""
         assert self._losses is not None
         flags = torch.tensor(self._has, dtype=torch.float64).reshape(len(self._has), -1)
         side = torch.cat([self._losses.double()[:, None], flags], 1).to(layout.device)
-        side_all = self._gather(side).cpu()  # (K, 1 + params): small, exact in float64
+        # Small, exact in float64; issued first so that it travels beside the gradients.
+        side_all, side_work = self._gather_async(side)
+        # A segment no shard of this call wrote still holds the previous step's values: the
+        # shard's gradient there is zero (adds below must see +0.0, as they always did).
+        for j, row_has in enumerate(self._has):
+            if not all(row_has):
+                for dt, entries in layout.groups.items():
+                    row = self._bufs[dt][j]
+                    for i, off, n in entries:
+                        if not row_has[i]:
+                            row[off : off + n].zero_()
+        sums = self._sum_shards(self._bufs)
+        if side_work is not None:
+            side_work.wait()
+        side_all = side_all.cpu()  # (K, 1 + params)
         losses = side_all[:, 0].float()
         total = losses[0].clone()
         for k in range(1, self.num_shards):
@@ -262,41 +277,87 @@ class CanonicalShards:
         self.loss = total / self.num_shards
         has = side_all[:, 1:].amax(0) > 0
         for dt, entries in layout.groups.items():
-            flat = self._sum_shards(self._bufs[dt])
+            flat = sums[dt]
             for i, off, n in entries:
                 if has[i]:
                     p = layout.params[i]
                     p.grad = flat[off : off + n].view_as(p)
-        self._bufs = {dt: b.zero_() for dt, b in self._bufs.items()}
         self._has = [[False] * len(row) for row in self._has]
         self._losses.zero_()
         self._counted = [False] * len(self._counted)
         self._pending = False
 
-    def _sum_shards(self, local: torch.Tensor) -> torch.Tensor:
-        """The mean over all K shards, summed 0, 1, ..., K-1, one bucket of columns at a time.
+    def _sum_shards(
+        self, local: dict[torch.dtype, torch.Tensor]
+    ) -> dict[torch.dtype, torch.Tensor]:
+        """Per dtype, the mean over all K shards: ``(((g0 + g1) + g2) + ...) / K``.
 
-        Every rank gathers every shard's values and does the same adds in the same order, so
-        the bits depend neither on W nor on the rank. (Each rank summing a W-th of the columns
-        after an all-to-all would move less, but with gloo's all-to-all, torch 2.13, processes
-        aborted (SIGABRT) at exit in 2 of 18 short runs: an exit must keep its code.)
+        The adds are elementwise and in shard order, so the bits depend neither on W, nor on
+        the rank, nor on the thread count. Rank r holds shards r*K/W .. (r+1)*K/W - 1, a
+        contiguous run of that order, so the sum is a chain: rank 0 adds its shards and sends
+        the partial sum to rank 1, which adds its own onto it (in order) and sends it on; the
+        last rank divides by K and broadcasts the result. Each link carries P elements, however
+        large K is (an all-gather of every shard carried (W-1)/W x K x P to each rank), and no
+        rank adds more than its own K/W rows. Columns go in buckets, so that bucket b travels
+        on while bucket b+1 is being added.
         """
-        per, n = local.shape
-        out = torch.empty(n, dtype=local.dtype, device=local.device)
-        for lo in range(0, n, _BUCKET):
-            hi = min(n, lo + _BUCKET)
-            if self.world == 1:
-                every = local[:, lo:hi]
+        out = {
+            dt: torch.empty(rows.shape[1], dtype=dt, device=rows.device)
+            for dt, rows in local.items()
+        }
+        per, k = self.num_shards // self.world, self.num_shards
+        if self.world == 1:
+            for dt, rows in local.items():
+                acc = out[dt]
+                _fold(acc, rows, 0, acc.numel())
+                acc.div_(k)
+            return out
+        buckets = [
+            (dt, lo, min(rows.shape[1], lo + _BUCKET))
+            for dt, rows in local.items()
+            for lo in range(0, rows.shape[1], _BUCKET)
+        ]
+        first, last = self.rank == 0, self.rank == self.world - 1
+        prev, nxt, root = (self._global(r) for r in (self.rank - 1, self.rank + 1, self.world - 1))
+        partial = {}
+        if not last and not (first and per == 1):  # rank 0 sends its one shard's row as is
+            partial = {
+                dt: self._buffer("partial", (rows.shape[1],), rows) for dt, rows in local.items()
+            }
+        recvs: list[Any] = []
+        if not first:  # posted at once: a sender never waits for the receiver to get here
+            for b, (dt, lo, hi) in enumerate(buckets):
+                into = (out if last else partial)[dt][lo:hi]
+                recvs.append(dist.irecv(into, src=prev, group=self.group, tag=b))
+        works: list[Any] = []
+        for b, (dt, lo, hi) in enumerate(buckets):
+            rows = local[dt]
+            if first and per == 1:
+                acc = rows[0, lo:hi]
+            elif first:
+                acc = (out if last else partial)[dt][lo:hi]
+                _fold(acc, rows, lo, hi)
             else:
-                every = self._buffer("recv", (self.num_shards, hi - lo), local)
-                part = local if hi - lo == n else local[:, lo:hi].contiguous()
-                _all_gather(every, part, self.group)
-            acc = out[lo:hi]
-            acc.copy_(every[0])
-            for k in range(1, self.num_shards):
-                acc.add_(every[k])  # elementwise: the same bits for any thread count
-            acc.div_(self.num_shards)
+                recvs[b].wait()
+                acc = (out if last else partial)[dt][lo:hi]
+                for j in range(per):
+                    acc.add_(rows[j, lo:hi])
+            if last:
+                acc.div_(k)
+                works.append(dist.broadcast(acc, src=root, group=self.group, async_op=True))
+            else:
+                works.append(dist.isend(acc, dst=nxt, group=self.group, tag=b))
+                into = out[dt][lo:hi]
+                works.append(dist.broadcast(into, src=root, group=self.group, async_op=True))
+        for work in works:
+            work.wait()
         return out
+
+    def _global(self, r: int) -> int:
+        """The global rank of this group's rank ``r`` (point-to-point calls take global ranks)."""
+        if self.group is None or not 0 <= r < self.world:
+            return r
+        return int(dist.get_global_rank(self.group, r))
 
     def _buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         key = (name, like.dtype, like.device, shape)
@@ -305,14 +366,14 @@ class CanonicalShards:
             buf = self._recv[key] = torch.empty(shape, dtype=like.dtype, device=like.device)
         return buf
 
-    def _gather(self, local: torch.Tensor) -> torch.Tensor:
+    def _gather_async(self, local: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Every rank's rows, in rank order: the K shards in canonical order (small tensors)."""
         if self.world == 1:
-            return local
+            return local, None
         shape = (self.world * local.shape[0], *local.shape[1:])
         out = torch.empty(shape, dtype=local.dtype, device=local.device)
-        _all_gather(out, local, self.group)
-        return out
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return out, gather(out, local, group=self.group, async_op=True)
 
     # ---- Stateful -------------------------------------------------------------------------------
 
@@ -351,9 +412,14 @@ class CanonicalShards:
             )
 
 
-def _all_gather(out: torch.Tensor, local: torch.Tensor, group: Any) -> None:
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, local, group=group)
+def _fold(acc: torch.Tensor, rows: torch.Tensor, lo: int, hi: int) -> None:
+    """``acc = rows[0] + rows[1] + ...`` over columns ``lo:hi``, added left to right."""
+    if rows.shape[0] == 1:
+        acc.copy_(rows[0, lo:hi])
+        return
+    torch.add(rows[0, lo:hi], rows[1, lo:hi], out=acc)
+    for j in range(2, rows.shape[0]):
+        acc.add_(rows[j, lo:hi])
 
 
 def _running_stats(m: torch.nn.Module) -> bool:
