@@ -10,8 +10,9 @@ parameters, global batch 48) with AdamW. Variants, each its own model and optimi
                 rank, each its own forward and backward, then the shard-order sum (K = 2, 4, 8)
   before-K      the same with unbroken/train/_canonical.py as it was at --before (default: the
                 main this work started from), loaded beside this tree's in the same processes
-  compute-K     the K/2 shards' forwards and backwards alone, no exchange: the floor any
-                exchange of K shard gradients starts from
+  compute-K     the K/2 shards' forwards and backwards, then a one-element all-reduce (the
+                ranks wait for each other, as any exchange makes them), no gradient exchange:
+                the floor any exchange of K shard gradients starts from
 
 A step is forward, backward, the gradient exchange, ``optimizer.step()``. Every repeat runs each
 variant for ``--steps`` timed steps (after 3 untimed ones), in an order rotated by one per
@@ -100,6 +101,7 @@ def worker(repeats: int, steps: int, before: str | None, out: str) -> None:
     local = BATCH // WORLD
     x, y = torch.randn(local, 512, generator=g), torch.randn(local, 512, generator=g)
 
+    tick = torch.zeros(1)
     reduce_s: list[float] = []
     modules = {"after": _canonical}
     if before:
@@ -138,6 +140,7 @@ def worker(repeats: int, steps: int, before: str | None, out: str) -> None:
                 for j in range(per):
                     xs, ys = x[j * size : (j + 1) * size], y[j * size : (j + 1) * size]
                     F.mse_loss(net(xs), ys).backward()
+            dist.all_reduce(tick)
         else:
             F.mse_loss(net(x), y).backward()
         opt.step()

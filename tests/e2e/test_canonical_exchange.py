@@ -21,17 +21,23 @@ SCRIPT = ROOT / "tests" / "scripts" / "canonical_grads.py"
 
 
 @pytest.mark.parametrize(
-    ("shards", "worlds", "bucket"),
-    [(4, (1, 2, 4), "7"), (6, (3,), "50"), (8, (2,), None)],
+    ("shards", "worlds", "bucket", "single"),
+    [
+        (4, (1, 2, 4), "7", False),  # two backward() calls a shard: summed after each shard
+        (4, (1, 2, 4), "7", True),  # one call: the last shard's backward sends buckets
+        (6, (3,), "50", True),
+        (8, (2,), None, True),  # the default bucket size
+    ],
 )
 def test_every_world_size_gives_the_reference_bits(
-    tmp_path: Path, shards: int, worlds: tuple[int, ...], bucket: str | None
+    tmp_path: Path, shards: int, worlds: tuple[int, ...], bucket: str | None, single: bool
 ) -> None:
     outs = []
     for world in worlds:
         out = tmp_path / f"w{world}.safetensors"
         args = ["--shards", str(shards), "--out", str(out)]
         args += ["--bucket", bucket] if bucket else []
+        args += ["--single"] if single else []
         assert launch(SCRIPT, args, world, allowed=(0,))[0] == [0] * world
         outs.append(load_file(str(out)))
     for other in outs[1:]:

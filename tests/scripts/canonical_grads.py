@@ -57,17 +57,20 @@ def batches(k: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 # Per step: (sync, backward calls per shard); the first two steps accumulate into the third.
+# Two calls in a shard turn the overlap off for good (the gradients are summed after each
+# shard); --single keeps one call a shard, so every synchronised step overlaps.
 PLAN = [(False, 1), (False, 2), (True, 1), (True, 2), (True, 1)]
+SINGLE = [(False, 1), (False, 1), (True, 1), (True, 1), (False, 1), (True, 1)]
 
 
-def reference(k: int) -> list[dict[str, torch.Tensor]]:
+def reference(k: int, plan: list[tuple[bool, int]]) -> list[dict[str, torch.Tensor]]:
     """What p.grad holds after each synchronised call, computed in one process."""
     net = Net()
     params = dict(net.named_parameters())
     rows: list[dict[str, torch.Tensor | None]] = [dict.fromkeys(params) for _ in range(k)]
     held = dict.fromkeys(params)
     results = []
-    for (sync, calls), (x, y) in zip(PLAN, batches(k, len(PLAN)), strict=True):
+    for (sync, calls), (x, y) in zip(plan, batches(k, len(plan)), strict=True):
         size = len(x) // k
         for s in range(k):
             xs, ys = x[s * size : (s + 1) * size], y[s * size : (s + 1) * size]
@@ -104,6 +107,7 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=4)
     p.add_argument("--bucket", type=int, default=None)
     p.add_argument("--out", default=None)
+    p.add_argument("--single", action="store_true", help="one backward() a shard: overlapped")
     a = p.parse_args()
     if a.bucket:
         from unbroken.train import _canonical
@@ -114,11 +118,12 @@ def main() -> None:
     if world > 1:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world > 1 else 0
-    want = reference(a.shards)
+    plan = SINGLE if a.single else PLAN
+    want = reference(a.shards, plan)
     net = Net()
     canon = unbroken.CanonicalShards(net, a.shards)
     got = []
-    for (sync, calls), (x, y) in zip(PLAN, batches(a.shards, len(PLAN)), strict=True):
+    for (sync, calls), (x, y) in zip(plan, batches(a.shards, len(plan)), strict=True):
         local = len(x) // world
         xr, yr = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
         for xs, ys in canon.shards(xr, yr, sync=sync):
@@ -135,6 +140,7 @@ def main() -> None:
                 g[name].signbit(), w[name].signbit()
             )
             assert same, f"rank {rank} step {step} {name}: not the reference's bits"
+    assert canon._several is not a.single  # the path meant was the path taken
     assert "never" not in got[-1] and "rare.weight" in got[-1]
     if rank == 0 and a.out:
         flat = {f"{s}/{n}": t for s, d in enumerate(got) for n, t in d.items()}
