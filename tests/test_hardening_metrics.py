@@ -45,7 +45,9 @@ def test_a_log_cut_short_mid_line_is_repaired_reported_and_stays_whole(tmp_path,
     assert "metrics log" in proc.stderr and "were lost" in proc.stderr, proc.stderr
     for line in log.read_bytes().splitlines():
         json.loads(line)  # every line is one whole record: nothing merged
-    assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4, 5, 6, 9, 10, 11]
+    # Steps 9-11 were held in memory (no checkpoint since 8): the kill lost them, the
+    # relaunch below redoes them.
+    assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4, 5, 6]
     gap = [m for m in read_metrics(run, events=True) if m.get("event") == "log_gap"]
     assert len(gap) == 1 and gap[0]["missing_bytes"] == recorded - cut, gap
 

@@ -40,7 +40,7 @@ from .._exit import EXIT_RESUMABLE
 from .._protocol import ProcessContext
 from ..data._contract import is_loader
 from ..state import Counters
-from . import _standby, _triggers
+from . import _metrics, _standby, _triggers
 from ._audit import Audit
 from ._checkpointer import Checkpointer
 from ._components import remote_retention, retention, track
@@ -205,7 +205,8 @@ class Run:
         record: dict[str, Any] = {"step": c.step, "epoch": c.epoch}
         if loss is not None:
             record["loss"] = loss
-        record.update(scalars)
+        if scalars:
+            record.update(_held(scalars))
         self._events.log_step(record)
         if self._progress is not None:
             self._progress.update(
@@ -255,16 +256,28 @@ class Run:
         rank stop and save at the same step (no rank left waiting in a collective). The logged
         loss is the mean over ranks.
         """
-        shown = self._events.metrics is not None or self._progress is not None
-        if isinstance(loss, torch.Tensor) and (shown or self.world_size > 1):
-            # .item() waits for the device: only if logged, shown or averaged (a scalar: no mean).
-            loss = (t if (t := loss.detach().float()).numel() == 1 else t.mean()).item()
+        if isinstance(loss, torch.Tensor):
+            loss = self._loss_value(loss)
         if self.world_size == 1:
             return seen, loss
         flags = [float(seen.signalled), float(seen.out_of_time), float(seen.minutes_due)]
         total = _dist.sum_floats([*flags, float(loss) if loss is not None else 0.0])
         mean = total[3] / self.world_size if loss is not None else None
         return _triggers.Seen(total[0] > 0, total[1] > 0, total[2] > 0), mean
+
+    def _loss_value(self, loss: torch.Tensor) -> Any:
+        """The loss to log: a float (the mean of its elements, in float32), or, for a loss on
+        a device that is only logged, a new one-element tensor that the metrics log reads when
+        it writes the line (``.item()`` now would wait for the device every step). Read now
+        when shown, averaged over ranks, or on the CPU (nothing to wait for)."""
+        t = loss.detach().float()
+        if self._progress is not None or self.world_size > 1 or t.device.type == "cpu":
+            return (t if t.numel() == 1 else t.mean()).item()
+        if self._events.metrics is None:
+            return loss  # neither logged nor shown: never read
+        # mean() of one element is that element, bit for bit; it is a copy, so the caller
+        # changing its loss in place later does not change what is logged.
+        return t.mean()
 
     def _loader_marks(self) -> tuple[int, int]:
         """(batches, samples) yielded so far by the first tracked loader (the training one)."""
@@ -502,3 +515,18 @@ class Run:
             f"Run({self.dir!r}, step={self.counters.step}, epoch={self.counters.epoch}, "
             f"components={self.registry.names()})"
         )
+
+
+def _held(scalars: dict[str, Any]) -> dict[str, Any]:
+    """The user's values as they are now: the metrics log reads them at its next flush, so a
+    tensor or array that changes in place must be read (on the CPU) or copied (on a device)
+    here; immutable values pass as they are."""
+    out = {}
+    for k, v in scalars.items():
+        if isinstance(v, torch.Tensor):
+            v = v.detach()
+            v = v.clone() if v.device.type != "cpu" and v.numel() == 1 else _metrics.plain(v)
+        elif not isinstance(v, (int, float, str, bool, type(None))):
+            v = _metrics.plain(v)
+        out[k] = v
+    return out
