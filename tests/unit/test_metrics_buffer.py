@@ -22,7 +22,14 @@ def _run(run_dir: Path, **kw: object) -> unbroken.Run:
     return unbroken.Run(run_dir, model=model, optimizer=opt, progress=False, **kw)
 
 
-def test_steps_are_not_written_one_by_one_but_all_before_a_save(tmp_path):
+@pytest.fixture
+def held(monkeypatch):
+    """No flush on the clock: neither the first seconds' quick ones nor the every-second one."""
+    monkeypatch.setattr(_metrics, "FLUSH_SECONDS", 3600.0)
+    monkeypatch.setattr(_metrics, "EARLY", 3600.0)
+
+
+def test_steps_are_not_written_one_by_one_but_all_before_a_save(tmp_path, held):
     run = _run(tmp_path, save_final=False)
     log = tmp_path / "metrics.jsonl"
     run.step(loss=torch.tensor(0.5))
@@ -42,6 +49,13 @@ def test_steps_are_not_written_one_by_one_but_all_before_a_save(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 23))
 
 
+def test_the_first_steps_show_at_once(tmp_path):
+    run = _run(tmp_path, save_final=False)
+    run.step(loss=1.0)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+    run.close()
+
+
 def test_a_flush_comes_at_least_every_flush_seconds(tmp_path, monkeypatch):
     monkeypatch.setattr(_metrics, "FLUSH_SECONDS", 0.0)
     run = _run(tmp_path, save_final=False)
@@ -51,7 +65,7 @@ def test_a_flush_comes_at_least_every_flush_seconds(tmp_path, monkeypatch):
     run.close()
 
 
-def test_an_event_writes_the_steps_before_it_in_order(tmp_path):
+def test_an_event_writes_the_steps_before_it_in_order(tmp_path, held):
     log = MetricsLog(str(tmp_path), None)
     log.step({"step": 1, "loss": torch.tensor(2.0)})
     log.event("stop", step=1, reason="test")
@@ -78,8 +92,9 @@ def test_scalars_are_read_when_handed_over_not_at_the_flush(tmp_path):
     assert rec["lr"] == 0.25 and rec["loss"] == 1.0
 
 
-def test_a_forked_child_does_not_write_the_parents_lines(tmp_path):
+def test_a_forked_child_does_not_write_the_parents_lines(tmp_path, held):
     log = MetricsLog(str(tmp_path), None)
+    log.flush()  # past the first step's own flush
     log.step({"step": 1})
     pid = os.fork()
     if pid == 0:  # a loader worker, say: it exits without writing the parent's buffer

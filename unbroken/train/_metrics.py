@@ -39,7 +39,11 @@ __all__ = ["METRICS_FILE", "MetricsLog", "read_metrics"]
 log = _log.get("run")
 
 FLUSH_SECONDS = 1.0
-"""The longest a step's record waits in memory (``tail -f`` sees each step within it)."""
+"""The longest a step's record waits in memory (``tail -f`` sees each step within it). In a
+process's first seconds the wait is shorter (:data:`EARLY` times the log's age): the first
+steps of a run, which a user or a watching script looks for, show at once, for a few dozen
+writes."""
+EARLY = 1 / 8
 
 
 class MetricsLog:
@@ -48,7 +52,8 @@ class MetricsLog:
         fd = open_regular(self.path, os.O_RDWR | os.O_CREAT, "metrics log")
         self._f = open(fd, "r+b", buffering=0)
         self._pending: list[dict[str, Any]] = []
-        self._due = time.monotonic() + FLUSH_SECONDS
+        self._opened = time.monotonic()
+        self._due = self._opened
         self._pid = os.getpid()  # a forked child (a loader worker) must not write our lines
         _OPEN.add(self)
         size = self._f.seek(0, os.SEEK_END)
@@ -144,7 +149,8 @@ class MetricsLog:
 
     def flush(self) -> None:
         """Write every record held in memory (one ``write``)."""
-        self._due = time.monotonic() + FLUSH_SECONDS
+        now = time.monotonic()
+        self._due = now + min(FLUSH_SECONDS, (now - self._opened) * EARLY)
         if not self._pending or os.getpid() != self._pid or self._f.closed:
             return
         records, self._pending = self._pending, []
