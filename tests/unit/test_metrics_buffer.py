@@ -115,3 +115,13 @@ def test_values_are_written_as_before(tmp_path, value):
     assert (
         text == '{"step": 1, "x": ' + {3: "3", float("inf"): "Infinity"}.get(value, "NaN") + "}\n"
     )
+
+
+def test_under_unbroken_verify_each_step_is_written_as_it_ends(tmp_path, held, monkeypatch):
+    """verify fires its step targets when the log shows the step: no batching there."""
+    monkeypatch.setenv("UNBROKEN_RUN_DIR", str(tmp_path))
+    run = _run(tmp_path, save_final=False)
+    for i in range(3):
+        run.step(loss=float(i))
+        assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, i + 2))
+    run.close()

@@ -90,6 +90,7 @@ class Run:
         self._found_loaders: tuple[int, list[Any]] = (-1, [])
         warn_determinism()  # on CUDA: the settings that make a bitwise resume impossible
         process = ProcessContext.read()
+        self._watched = process.run_dir is not None  # `unbroken verify` watches the log
         self._events = Events(self.dir, self.counters, on_save=cfg.on_save, on_resume=cfg.on_resume)
         self._checkpointer = Checkpointer(
             self.dir,
@@ -152,7 +153,9 @@ class Run:
             if self.rank == 0 and cfg.metrics:
                 # A metrics log that cannot be opened (a planted symlink, a FIFO, a full
                 # disk) fails the start like a checkpoint would: the lock is released.
-                self._events.open_metrics(self.counters.metrics_offset, self.resumed_from)
+                self._events.open_metrics(
+                    self.counters.metrics_offset, self.resumed_from, every_step=self._watched
+                )
             if self.resumed_from is not None:
                 self._events.resumed(self.resumed_from, self._path(self.resumed_from))
             if resumer.extended_to is not None:
