@@ -9,7 +9,7 @@ with a snapshot every step, in three set-ups, interleaved, ``--repeats`` times e
 - ``none``: no snapshot area (durable saves only): the loop's own cost;
 - ``one-node``: both ranks share one area, as under one supervisor: whole snapshots;
 - ``two-nodes``: each rank has its own area, as two nodes under two supervisors: each area
-  commits its rank's part and a copy of the other rank's files (store/_nodes.py).
+  commits its rank's part and a copy of the other rank's files (store/snapshot/_nodes.py).
 
 Each rank times every ``run.step()`` call (a snapshot is taken inside it); the per-step cost of
 a set-up is the median of rank 0's calls minus ``none``'s. The memory is the bytes in each
