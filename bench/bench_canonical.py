@@ -7,8 +7,8 @@ parameters, global batch 48) with AdamW, variants taking turns in rotating order
 ``--repeats`` rounds of ``--steps`` timed steps (after 3 untimed ones):
 
   ddp           DistributedDataParallel: backward all-reduces gradient buckets as they are ready
-  canonical-K   unbroken.CanonicalShards(net, K): K/2 shards of 48/K samples per rank, each its
-                own forward and backward; then an all-gather of the K flat shard gradients,
+  canonical-K   unbroken.train.CanonicalShards(net, K): K/2 shards of 48/K samples per rank,
+                each its own forward and backward; then an all-gather of the K flat shard gradients,
                 which every rank adds in shard order (K = 2, 4, 8)
 
 A step is forward, backward, the gradient exchange, ``optimizer.step()``. Reported: the median
@@ -90,7 +90,9 @@ def worker(repeats: int, steps: int, out: str) -> None:
         model = _model()
         net = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        canon = None if name == "ddp" else unbroken.CanonicalShards(net, int(name.split("-")[1]))
+        canon = (
+            None if name == "ddp" else unbroken.train.CanonicalShards(net, int(name.split("-")[1]))
+        )
         variants[name] = (net, opt, canon)
     params = sum(p.numel() for p in _model().parameters())
 

@@ -38,7 +38,7 @@ torch.set_num_threads(1)
 torch.manual_seed(0)
 model = mlp([128, 512, 512, 10])
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-loader = unbroken.DataLoader(Noisy(8192, 128, 10, "none"), 64, seed=0)
+loader = unbroken.MapLoader(Noisy(8192, 128, 10, "none"), 64, seed=0)
 steps, calls, clock = int(sys.argv[1]), [], time.perf_counter
 with unbroken.Run(tempfile.mkdtemp(), model=model, optimizer=opt, loader=loader,
                   save_final=False, progress=False, max_steps=steps) as run:
