@@ -159,7 +159,7 @@ def main() -> int:
     amp = not a.no_amp
     scaler = torch.amp.GradScaler(a.device, enabled=amp)
     ema = unbroken.EMA(model, decay=0.99)  # unbroken
-    loader = unbroken.MapLoader(  # unbroken: a drop-in for torch's DataLoader; batch_size is
+    loader = unbroken.MapLoader(  # unbroken: in place of torch's DataLoader; batch_size is
         data,  # the global batch: each of the ranks gets its slice
         batch_size=a.batch_size,
         shuffle=True,
