@@ -8,7 +8,7 @@ with one thread) trained by
   hand                a hand-written loop over a ``torch.utils.data.DataLoader``
   unbroken            ``unbroken.Run`` + ``unbroken.MapLoader`` (``run.epochs``,
                       ``run.step(loss=loss)``; metrics log and signal handlers on; no saves)
-  unbroken_no_reseed  the same with ``DataLoader(reseed_globals=False)`` (no per-sample
+  unbroken_no_reseed  the same with ``MapLoader(reseed_globals=False)`` (no per-sample
                       reseeding of the global random streams)
 
 (and, in the per-component figures only, ``reseed_globals="torch"``: torch's stream alone)
