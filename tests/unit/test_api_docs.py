@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-API = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+API = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
 PACKAGES = [
     "unbroken",
     "unbroken.errors",
