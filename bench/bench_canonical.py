@@ -6,7 +6,7 @@ Two gloo ranks on 127.0.0.1 (one intra-op thread each) train the same MLP (2.1 M
 parameters, global batch 48) with AdamW. Variants, each its own model and optimizer:
 
   ddp           DistributedDataParallel: backward all-reduces gradient buckets as they are ready
-  after-K       unbroken.CanonicalShards(net, K) of this tree: K/2 shards of 48/K samples per
+  after-K       unbroken.train.CanonicalShards(net, K) of this tree: K/2 shards of 48/K samples per
                 rank, each its own forward and backward, then the shard-order sum (K = 2, 4, 8)
   before-K      the same with unbroken/train/_canonical.py as it was at --before (default: the
                 main this work started from), loaded beside this tree's in the same processes

@@ -7,7 +7,7 @@ The loop is bench_hot_path's: a 128-512-512-10 MLP, batch 64, SGD, one torch thr
 dataset whose ``__getitem__`` adds ``torch.randn`` noise (so unbroken reseeds torch's global
 stream per sample). Three libraries: ``plain`` (a hand-written loop over
 ``torch.utils.data.DataLoader``), ``before`` (unbroken at ``--before``, default main) and
-``after`` (this tree), each ``Run`` + ``unbroken.DataLoader`` with default settings (metrics
+``after`` (this tree), each ``Run`` + ``unbroken.MapLoader`` with default settings (metrics
 log and signal handlers on, no saves).
 
 The figure that judges the overhead is **CPU time a step of the whole process tree**: user +
@@ -173,7 +173,9 @@ def child_run_step(data: Any, root: str, steps: int) -> dict[str, float]:
     torch.manual_seed(0)
     model = mlp([128, 512, 512, 10])
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    loader = unbroken.DataLoader(data, 64, seed=0)
+    # MapLoader in this tree; a --before revision may predate the name (DataLoader then).
+    loader = getattr(unbroken, "MapLoader", None) or unbroken.DataLoader
+    loader = loader(data, 64, seed=0)
     calls, cpus, clock, cpu = [], [], time.perf_counter, time.thread_time
     with unbroken.Run(
         os.path.join(root, "run_step"), model=model, optimizer=opt, loader=loader,

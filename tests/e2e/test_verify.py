@@ -448,7 +448,7 @@ class History:
 
 
 class Timer:
-    """Lightning's Timer callback as LightningResume tracks it: seconds elapsed per stage."""
+    """Lightning's Timer callback as LightningCallback tracks it: seconds elapsed per stage."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds

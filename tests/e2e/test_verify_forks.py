@@ -61,7 +61,7 @@ RESUME_FAILS = """
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.utils.data.TensorDataset(torch.randn(32, 2), torch.randn(32, 1))
-    loader = unbroken.DataLoader(data, batch_size=4, shuffle=True, seed=0)
+    loader = unbroken.MapLoader(data, batch_size=4, shuffle=True, seed=0)
     run = unbroken.Run(os.environ["UNBROKEN_RUN_DIR"], model=model, optimizer=opt,
                        loader=loader, save_every=2, max_steps=16)
     if run.counters.step > 0:

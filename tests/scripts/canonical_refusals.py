@@ -17,7 +17,7 @@ def main() -> None:
     _, world = unbroken.init_distributed()
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     try:
-        unbroken.CanonicalShards(model, 3)
+        unbroken.train.CanonicalShards(model, 3)
     except unbroken.ConfigError as e:
         print("refused:", e, file=sys.stderr, flush=True)
     else:
@@ -27,7 +27,7 @@ def main() -> None:
 
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     try:
-        unbroken.CanonicalShards(model, 2)
+        unbroken.train.CanonicalShards(model, 2)
     except unbroken.ConfigError as e:
         print("refused:", e, file=sys.stderr, flush=True)
     else:

@@ -1,4 +1,4 @@
-"""A new user's masked-LM ``UnbrokenTrainer`` script: a collator that draws random numbers.
+"""A new user's masked-LM ``TransformersTrainer`` script: a collator that draws random numbers.
 
     python tests/scripts/hf_mlm.py --run-dir D [--steps N] [--save-every K] [--workers W]
         [--eval-every E]
@@ -28,7 +28,7 @@ from transformers import (
     set_seed,
 )
 
-from unbroken.integrations import UnbrokenTrainer
+from unbroken.integrations import TransformersTrainer
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz"]
 
@@ -48,7 +48,7 @@ class CropThenMask:
         return self.mlm(cropped)
 
 
-class Trainer(UnbrokenTrainer):
+class Trainer(TransformersTrainer):
     """Logs a checksum of the step's training micro-batches (``batch``) in its metrics line."""
 
     def compute_loss(self, model, inputs, *args, **kwargs):  # type: ignore[no-untyped-def]

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     if not cmd:
         print("unbroken verify: give the training command after --", file=sys.stderr)
         return EXIT_USAGE
-    from .._errors import ConfigError
+    from ..errors import ConfigError
     from ..verify import VerifyError, verify_resume  # imports torch: keep `--help` fast
 
     bar = _StepBar() if not args.quiet and sys.stderr.isatty() else None

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from .. import _dist
-from .._errors import ConfigError
 from ..data._seeding import derive
+from ..errors import ConfigError
 from ..state._adapters import _is_dtensor, unwrap
 
 STATE_VERSION = 1
@@ -59,7 +59,7 @@ class CanonicalShards:
     shard. The bits are the same either way. Track it in the run
     (``Run(..., canonical=canon)``) so its call count, which seeds those streams, resumes too::
 
-        canon = unbroken.CanonicalShards(net, shards=6, scaler=scaler)
+        canon = unbroken.train.CanonicalShards(net, shards=6, scaler=scaler)
         run = unbroken.Run("runs/x", model=net, optimizer=opt, loader=loader, canonical=canon)
         for x, y in run.loop(loader):
             for xs, ys in canon.shards(x, y, sync=not run.accumulating):

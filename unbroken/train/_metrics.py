@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .._errors import CheckpointWriteError
+from ..errors import CheckpointWriteError
 from ..process import _log
 from ..process._logfile import METRICS_FILE, open_regular, read_metrics
 from ..store import _fsops

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from .. import _dist
-from .._errors import ConfigError
 from ..data._contract import is_loader
+from ..errors import ConfigError
 from ..process import _quick_exit, _signals, _stops
 from ..process._exit import EXIT_RESUMABLE
 from ..process._protocol import ProcessContext
@@ -59,7 +59,7 @@ class Run:
     """Track the components of a training run; resume them exactly; save them safely.
 
     Components are keyword arguments: modules, optimizers, LR schedulers, GradScalers,
-    :class:`unbroken.EMA`, :class:`unbroken.DataLoader`, random generators and any object with
+    :class:`unbroken.EMA`, :class:`unbroken.MapLoader`, random generators and any object with
     ``state_dict``/``load_state_dict``; ``components={...}`` takes any names, options' too.
     Options: a :class:`RunConfig` as ``config=``, or its fields as keywords (not both)::
 

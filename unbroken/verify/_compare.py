@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .._errors import CheckpointError
+from ..errors import CheckpointError
 from ..store import CheckpointReader, scan
 from ..train import read_metrics
 from ._unverifiable import VerifyError

@@ -191,7 +191,7 @@ LOADER = (
     "No resumable data loader is tracked. A plain torch.utils.data.DataLoader (or a sampler "
     "shuffling with its own random.Random or torch.Generator) is not resumable: a relaunch "
     "starts the epoch over and reshuffles, so the resumed run trains on other batches. Use "
-    "unbroken.DataLoader(dataset, ..., seed=...) and pass it to Run (loader=loader)."
+    "unbroken.MapLoader(dataset, ..., seed=...) and pass it to Run (loader=loader)."
 )
 LOADER_STATE = (
     "The tracked loader's position ({name}) differs: the batch size or the batches drawn per "
@@ -218,7 +218,7 @@ GENERATOR = (
     "An untracked random generator: a torch.Generator, random.Random, numpy Generator or "
     "numpy RandomState used for noise, augmentation or dropout masks restarts from its seed "
     "after a relaunch unless it is passed to Run as a component (Run(..., noise=gen)); "
-    "per-sample randomness can come from unbroken.DataLoader's per-sample generator "
+    "per-sample randomness can come from unbroken.MapLoader's per-sample generator "
     "(dataset.get_sample(i, generator))."
 )
 COMPONENT = (
@@ -283,7 +283,7 @@ SAMPLES = (
     "The batch's samples differ at step {step}, the first step after the resume from step "
     "{resume}: the relaunched process reads other samples. The data position is not restored: "
     "a loader not passed to Run, a sampler or dataset that shuffles with a generator of its own, "
-    "or a batch size that depends on something not restored. Use unbroken.DataLoader(dataset, "
+    "or a batch size that depends on something not restored. Use unbroken.MapLoader(dataset, "
     "..., seed=...) and pass it to Run (loader=loader)."
 )
 RNG_AHEAD = (
@@ -293,8 +293,8 @@ RNG_AHEAD = (
     "step before run.step() saved them, and the relaunched process draws it again from the "
     "restored streams: a collate that masks or augments at random run outside the loader on a "
     "batch fetched ahead (frameworks fetch the next step's batch before they save; a collate_fn "
-    "given to unbroken.DataLoader is seeded per batch), or noise prepared for the next step. "
-    "Draw a step's randomness in that step, per sample in the dataset (unbroken.DataLoader seeds "
+    "given to unbroken.MapLoader is seeded per batch), or noise prepared for the next step. "
+    "Draw a step's randomness in that step, per sample in the dataset (unbroken.MapLoader seeds "
     "each sample), or from a torch.Generator passed to Run."
 )
 REDUCTION = (
@@ -308,7 +308,7 @@ REDUCTION = (
     "communication hook of your own (Run warned: ResumeWarning) or one it does not see; with "
     "NCCL, a resume on other nodes may pick another algorithm (NCCL_ALGO=Ring, "
     "NCCL_PROTO=Simple). See docs/distributed.md ('What is bitwise where'): "
-    "unbroken.CanonicalShards sums in one order on every world size; if rounding differences "
+    "unbroken.train.CanonicalShards sums in one order on every world size; if rounding differences "
     "are acceptable, compare with --atol/--rtol."
 )
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from .._errors import ConfigError
+from ..errors import ConfigError
 from ..process import _protocol, _stops, _tree
 from ..process._exit import EXIT_OK, EXIT_RESUMABLE
 from ..process._logfile import METRICS_FILE, last_logged_step

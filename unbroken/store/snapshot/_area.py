@@ -32,7 +32,7 @@ import stat
 import time
 from typing import Any
 
-from ..._errors import CheckpointError, CheckpointWriteError, LockError
+from ...errors import CheckpointError, CheckpointWriteError, LockError
 from ...process import _log, _shm
 from ...process._logfile import METRICS_FILE
 from ...process._shm import ENV as ENV
