@@ -54,7 +54,7 @@ def hold(name, seen):
         time.sleep(0.01)
 
 def stop_recorded():
-    from unbroken import _signals
+    from unbroken.process import _signals
     active = _signals._active
     return _signals.pending() is not None or (active is not None and active.requested)
 
