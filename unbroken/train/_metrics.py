@@ -208,7 +208,8 @@ _OPEN: weakref.WeakSet[MetricsLog] = weakref.WeakSet()
 @atexit.register
 def _flush_at_exit() -> None:
     """A script that ends (or fails) without closing its run still leaves every step it
-    logged in the file. Registered after unbroken.process._quick_exit's handler, so it runs first."""
+    logged in the file. Registered after unbroken.process._quick_exit's handler, so it runs
+    first."""
     for m in list(_OPEN):
         try:
             m.flush()
