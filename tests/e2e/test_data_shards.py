@@ -253,11 +253,11 @@ def test_every_loader_meets_the_protocol(files: list[str]) -> None:
         IterableShards([Opener(0, 3), Opener(1, 3)], 2),
     ]
     assert all(isinstance(x, Loader) for x in loaders)
-    assert not isinstance(torch.utils.data.MapLoader(list(range(8))), Loader)
+    assert not isinstance(torch.utils.data.DataLoader(list(range(8))), Loader)
 
 
 def test_run_refuses_a_plain_torch_dataloader(tmp_path: Path) -> None:
-    plain = torch.utils.data.MapLoader(list(range(8)), batch_size=2)
+    plain = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
     with pytest.raises(
         ConfigError, match=r"'loader'.*torch.utils.data.DataLoader.*unbroken\.MapLoader"
     ):

@@ -103,7 +103,11 @@ def verify_resume(
     say = progress or (lambda _msg: None)
     deadline = None if timeout is None else time.monotonic() + timeout
     if side_by_side is None:
-        side_by_side = _cores() >= 2
+        # Not for a launcher (torchrun, a shell wrapper): two jobs at once would meet at its
+        # rendezvous port (EADDRINUSE), or at whatever else it holds for one job at a time.
+        single = forkable(argv)
+        launcher = single is None or (single[1] and single[0].startswith("torch.distributed"))
+        side_by_side = _cores() >= 2 and not launcher
     base = dict(os.environ)
     if side_by_side and interrupts > 0 and "OMP_NUM_THREADS" not in base:
         # Two runs of torch's default (a thread per core) on the same cores oversubscribe
