@@ -174,8 +174,8 @@ def child_run_step(data: Any, root: str, steps: int) -> dict[str, float]:
     model = mlp([128, 512, 512, 10])
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     # MapLoader in this tree; a --before revision may predate the name (DataLoader then).
-    loader = getattr(unbroken, "MapLoader", None) or unbroken.DataLoader
-    loader = loader(data, 64, seed=0)
+    loader_class = getattr(unbroken, "MapLoader", None) or unbroken.DataLoader
+    loader = loader_class(data, 64, seed=0)
     calls, cpus, clock, cpu = [], [], time.perf_counter, time.thread_time
     with unbroken.Run(
         os.path.join(root, "run_step"), model=model, optimizer=opt, loader=loader,
