@@ -41,6 +41,12 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 _PYTHON = re.compile(r"python(\d+(\.\d+)*)?$")
+# Frameworks whose import costs seconds more than torch's (Lightning's ~5-10 s on 2 cores,
+# transformers' and accelerate's ~2-3 s): a script that imports one at its top gets it
+# imported by the server too, so that a fork skips it. Only these: importing a module runs its
+# code, and these do nothing at import that a child would need to see again (a script's own
+# modules, which might, are never imported by the server).
+FRAMEWORKS = ("accelerate", "datasets", "lightning", "pytorch_lightning", "transformers")
 
 
 def forkable(argv: Sequence[str]) -> tuple[str, bool, list[str]] | None:
@@ -56,6 +62,29 @@ def forkable(argv: Sequence[str]) -> tuple[str, bool, list[str]] | None:
     if rest and not rest[0].startswith("-") and rest[0].endswith(".py"):
         return rest[0], False, rest[1:]
     return None
+
+
+def preloads(script: str) -> list[str]:
+    """What the server imports for ``python SCRIPT``: the :data:`FRAMEWORKS` modules the script
+    imports at its top level (``import X``, ``from X import a, b``; as ``"X"`` and ``"X:a,b"``,
+    the names fetched too, as a lazy package like transformers loads them only then).
+    Empty for a file that cannot be read or parsed: the script itself will say why."""
+    import ast
+
+    try:
+        with open(script, "rb") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return []
+    out: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names if a.name.split(".")[0] in FRAMEWORKS]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] in FRAMEWORKS:
+                names = [a.name for a in node.names if a.name != "*"]
+                out.append(f"{node.module}:{','.join(names)}" if names else node.module)
+    return out
 
 
 class ForkedProcess:
@@ -82,10 +111,13 @@ class ForkServer:
     """The client side: start the server with the command's own interpreter, then
     :meth:`spawn` a child per launch. Thread-safe."""
 
-    def __init__(self, python: str, env: Mapping[str, str], log_path: str) -> None:
+    def __init__(
+        self, python: str, env: Mapping[str, str], log_path: str, preload: Sequence[str] = ()
+    ) -> None:
         self._log = open(log_path, "ab")
         self._proc = subprocess.Popen(
-            [python, os.path.abspath(__file__)],  # by path: the server imports no unbroken
+            # by path: the server imports no unbroken
+            [python, os.path.abspath(__file__), *preload],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -252,7 +284,8 @@ def _child(req: dict[str, Any], out: IO[bytes]) -> None:
             os._exit(code & 0xFF)
 
 
-def serve() -> None:
+def serve(preload: Sequence[str] = ()) -> None:
+    import importlib
     import select
 
     # Started by path: sys.path[0] is this package's directory, whose modules must not
@@ -267,6 +300,16 @@ def serve() -> None:
         try:
             __import__(name)
         except ImportError:
+            pass
+    for item in preload:  # preloads(): "module" or "module:name,name"
+        name, _, attrs = item.partition(":")
+        if name.split(".")[0] not in FRAMEWORKS:
+            continue
+        try:
+            module = importlib.import_module(name)
+            for attr in filter(None, attrs.split(",")):
+                getattr(module, attr, None)
+        except Exception:  # the script's own import will raise it, in the child
             pass
 
     out = os.fdopen(os.dup(1), "wb", buffering=0)
@@ -320,7 +363,10 @@ def serve() -> None:
             os.killpg(pid, signal.SIGKILL)
         except OSError:
             pass
+    # Nothing to save: skip tearing down torch's modules, which takes seconds on a busy machine.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
-    serve()
+    serve(sys.argv[1:])

@@ -35,7 +35,7 @@ from ..process._exit import EXIT_OK, EXIT_RESUMABLE
 from ..process._logfile import METRICS_FILE, last_logged_step
 from ..store import _layout
 from ._compare import compare_runs
-from ._forkserver import ForkServer, forkable
+from ._forkserver import ForkServer, forkable, preloads
 from ._plan import Target, next_target, plan_interrupts
 from ._report import Interruption, VerifyReport, hints_for, parted
 from ._unverifiable import ScriptFailedError, VerifyError
@@ -126,7 +126,9 @@ def verify_resume(
     if fork and interrupts > 0 and forkable(argv) is not None:
         # Started now: it imports torch while the reference run starts.
         env = _protocol.verify_env(base, run_dir=work)
-        s.forks = ForkServer(argv[0], env, os.path.join(work, "forkserver.log"))
+        target, module, _ = forkable(argv) or ("", True, [])
+        preload = [] if module else preloads(target)  # the script's frameworks, imported once
+        s.forks = ForkServer(argv[0], env, os.path.join(work, "forkserver.log"), preload)
         ref.forks = s.forks
     elif fork and interrupts > 0:
         notes.append(
