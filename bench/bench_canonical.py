@@ -6,8 +6,9 @@ Two gloo ranks on 127.0.0.1 (one intra-op thread each) train the same MLP (2.1 M
 parameters, global batch 48) with AdamW. Variants, each its own model and optimizer:
 
   ddp           DistributedDataParallel: backward all-reduces gradient buckets as they are ready
-  after-K       unbroken.train.CanonicalShards(net, K) of this tree: K/2 shards of 48/K samples per
-                rank, each its own forward and backward, then the shard-order sum (K = 2, 4, 8)
+  after-K       unbroken.train.CanonicalGradients(net, K) of this tree: K/2 shards of 48/K
+                samples per rank, each its own forward and backward, then the shard-order sum
+                (K = 2, 4, 8)
   before-K      the same with unbroken/train/_canonical.py as it was at --before (default: the
                 main this work started from), loaded beside this tree's in the same processes
   compute-K     the K/2 shards' forwards and backwards, then a one-element all-reduce (the
@@ -84,6 +85,8 @@ def _load_before(path: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
+    if not hasattr(module, "CanonicalGradients"):  # its name before the rename
+        module.CanonicalGradients = module.CanonicalShards
     return module
 
 
@@ -107,14 +110,14 @@ def worker(repeats: int, steps: int, before: str | None, out: str) -> None:
     if before:
         modules["before"] = _load_before(before)
     for module in modules.values():
-        original = module.CanonicalShards._reduce
+        original = module.CanonicalGradients._reduce
 
         def timed(self, layout, _original=original):  # the exchange: every rank alike
             t0 = time.perf_counter()
             _original(self, layout)
             reduce_s.append(time.perf_counter() - t0)
 
-        module.CanonicalShards._reduce = timed
+        module.CanonicalGradients._reduce = timed
 
     variants: dict[str, tuple] = {}
     names = ["ddp"]
@@ -125,7 +128,7 @@ def worker(repeats: int, steps: int, before: str | None, out: str) -> None:
         net = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         kind, _, k = name.partition("-")
-        canon = modules[kind].CanonicalShards(net, int(k)) if kind in modules else None
+        canon = modules[kind].CanonicalGradients(net, int(k)) if kind in modules else None
         variants[name] = (net, opt, canon, int(k) if k else 0)
     params = sum(p.numel() for p in _model().parameters())
 

@@ -5,8 +5,8 @@
     torchrun --nproc_per_node 3 examples/char_lm.py --run-dir runs/c --canonical-shards 6
 
 With ``--canonical-shards K`` the global batch is cut into K shards fixed by the data and the
-gradient is summed over them in one order (``unbroken.train.CanonicalShards``), so every world size
-dividing K -- and a run resumed on another one -- ends with the very same bits.
+gradient is summed over them in one order (``unbroken.train.CanonicalGradients``), so every world
+size dividing K -- and a run resumed on another one -- ends with the very same bits.
 
 Stop it any way you like (Ctrl-C, ``kill``, ``kill -9``, a cluster's preemption) and run the same
 command again: it continues from the last checkpoint and ends exactly where an uninterrupted run
@@ -168,7 +168,7 @@ def main() -> int:
         drop_last=bool(shards),  # canonical shards: every batch is a multiple of K
     )
     # unbroken: shard k of each global batch is the same on every world size dividing K
-    canon = unbroken.train.CanonicalShards(net, shards, scaler=scaler) if shards else None
+    canon = unbroken.train.CanonicalGradients(net, shards, scaler=scaler) if shards else None
     tracked = {"canonical": canon} if canon is not None else {}
     run = unbroken.Run(  # unbroken: resumes here if RUN has a checkpoint
         a.run_dir,

@@ -2,7 +2,7 @@
 
 The top level holds what a training script needs (``Run``, its loaders, seeding, the errors
 a script catches); the rest lives in its package: ``unbroken.train`` (settings and their
-schedules, ``Change``, ``CanonicalShards``), ``unbroken.data`` (every loader, vocabularies,
+schedules, ``Change``, ``CanonicalGradients``), ``unbroken.data`` (every loader, vocabularies,
 shards, corpora), ``unbroken.integrations`` (Lightning, transformers, Accelerate, TensorBoard,
 W&B), ``unbroken.verify``, ``unbroken.store`` and ``unbroken.errors`` (every error). See
 docs/api.md.
@@ -80,7 +80,6 @@ _DEPRECATED = {
     **{
         name: f"unbroken.train.{name}"
         for name in (
-            "CanonicalShards",
             "Change",
             "Constant",
             "EpochTable",
@@ -126,6 +125,7 @@ _DEPRECATED = {
         )
     },
     **{name: f"unbroken.verify.{name}" for name in ("VerifyError", "VerifyReport", "compare_runs")},
+    "CanonicalShards": "unbroken.train.CanonicalGradients",
     "CheckpointStore": "unbroken.store.CheckpointStore",
     "DataLoader": "unbroken.MapLoader",
 }

@@ -1,7 +1,7 @@
 """The chain sum of canonical micro-shards against the contract written out in one process.
 
 tests/scripts/canonical_grads.py computes the reference -- every shard's gradient by plain
-backward calls, added in shard order -- on each rank and requires ``CanonicalShards`` to give
+backward calls, added in shard order -- on each rank and requires ``CanonicalGradients`` to give
 it bit for bit (sign of zero included) on W ranks: rank 0 at the head of the chain, middle
 ranks, the last rank that broadcasts, buckets cutting parameters and dtype boundaries.
 """

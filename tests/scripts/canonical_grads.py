@@ -3,7 +3,7 @@
 Each rank computes, by itself, all K shards' gradients with plain backward calls and adds them
 in shard order (``(((g0 + g1) + g2) + ...) / K``, a shard that left a parameter without a
 gradient counting as +0.0): the canonical contract, written out without any exchange. Then it
-runs the same steps through ``CanonicalShards`` on W ranks and requires ``p.grad`` to match
+runs the same steps through ``CanonicalGradients`` on W ranks and requires ``p.grad`` to match
 bit for bit. What the steps cover: float32 and bfloat16 parameters (two flat buffers), a
 parameter some shards leave without a gradient and one no shard touches, gradients of -0.0,
 unsynchronised calls (accumulation), two ``backward`` calls in one shard, gradients already in
@@ -121,7 +121,7 @@ def main() -> None:
     plan = SINGLE if a.single else PLAN
     want = reference(a.shards, plan)
     net = Net()
-    canon = unbroken.CanonicalShards(net, a.shards)
+    canon = unbroken.train.CanonicalGradients(net, a.shards)
     got = []
     for (sync, calls), (x, y) in zip(plan, batches(a.shards, len(plan)), strict=True):
         local = len(x) // world

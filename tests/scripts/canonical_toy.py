@@ -67,7 +67,7 @@ def main() -> None:
     scaler = torch.amp.GradScaler("cpu", enabled=a.amp, init_scale=2.0**10)
     ema = unbroken.EMA(model, decay=0.9)
     loader = unbroken.MapLoader(Noisy(72), batch_size=a.batch_size, seed=7)
-    canon = unbroken.train.CanonicalShards(net, a.shards, scaler=scaler) if a.shards else None
+    canon = unbroken.train.CanonicalGradients(net, a.shards, scaler=scaler) if a.shards else None
     settings = unbroken.train.Settings(
         lr=unbroken.train.WarmupCosine(peak=3e-3, warmup=min(3, a.steps - 1), total=a.steps),
         grad_accum=a.accum,

@@ -27,7 +27,7 @@ PACKAGES = [
     "unbroken.cli",
 ]
 # The packages that keep names of the first releases for one release (``_lazy.exports``).
-DEPRECATING = ["unbroken", "unbroken.data", "unbroken.integrations"]
+DEPRECATING = ["unbroken", "unbroken.data", "unbroken.integrations", "unbroken.train"]
 ROW = re.compile(r"^\| `([^`]+)` \| (.*) \|$", re.M)
 ROLE = re.compile(r":(?:class|func|meth|attr|mod|data):`~?([^`]+)`")
 

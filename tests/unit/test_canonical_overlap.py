@@ -17,7 +17,7 @@ def _net() -> torch.nn.Module:
 
 def _grads(overlap: bool, calls: int) -> list[torch.Tensor]:
     net = _net()
-    canon = unbroken.CanonicalShards(net, 3, overlap=overlap)
+    canon = unbroken.train.CanonicalGradients(net, 3, overlap=overlap)
     g = torch.Generator().manual_seed(1)
     for sync in (False, True, True):
         x, y = torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)
@@ -36,13 +36,13 @@ def test_overlap_on_and_off_give_the_same_bits() -> None:
 
 def test_a_second_backward_in_an_overlapped_last_shard_is_refused() -> None:
     net = _net()
-    canon = unbroken.CanonicalShards(net, 1)
+    canon = unbroken.train.CanonicalGradients(net, 1)
     x, y = torch.randn(2, 4), torch.randn(2, 2)
     with pytest.raises(unbroken.ConfigError, match="overlap=False"):
         for xs, ys in canon.shards(x, y):
             canon.backward(F.mse_loss(net(xs), ys))
             canon.backward(F.mse_loss(net(xs), ys))
-    canon = unbroken.CanonicalShards(net, 1, overlap=False)
+    canon = unbroken.train.CanonicalGradients(net, 1, overlap=False)
     for xs, ys in canon.shards(x, y):
         canon.backward(F.mse_loss(net(xs), ys))
         canon.backward(F.mse_loss(net(xs), ys))
@@ -62,10 +62,10 @@ def test_a_gradient_that_grows_after_its_bucket_went_is_refused() -> None:
         return net["head"](h)
 
     x = torch.randn(2, 4, requires_grad=True)
-    canon = unbroken.CanonicalShards(net, 1)
+    canon = unbroken.train.CanonicalGradients(net, 1)
     with pytest.raises(unbroken.ConfigError, match="grew again after it was sent"):
         for (xs,) in canon.shards((x,)):
             canon.backward(forward(xs).sum())
-    canon = unbroken.CanonicalShards(net, 1, overlap=False)
+    canon = unbroken.train.CanonicalGradients(net, 1, overlap=False)
     for (xs,) in canon.shards((x,)):
         canon.backward(forward(xs).sum())

@@ -16,8 +16,9 @@ import pytest
 import unbroken
 import unbroken.data
 import unbroken.integrations
+import unbroken.train
 
-DEPRECATING = [unbroken, unbroken.data, unbroken.integrations]
+DEPRECATING = [unbroken, unbroken.data, unbroken.integrations, unbroken.train]
 OLD_NAMES = [
     pytest.param(package, old, new, id=f"{package.__name__}.{old}")
     for package in DEPRECATING
@@ -107,3 +108,22 @@ def test_map_loader_is_not_torchs_data_loader() -> None:
     assert not issubclass(unbroken.MapLoader, torch.utils.data.DataLoader)
     loader = unbroken.MapLoader(list(range(8)), batch_size=4, shuffle=False)
     assert [list(b) for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"sampler": object()}, "unbroken.data.SamplerLoader"),
+        ({"batch_sampler": object()}, "unbroken.data.SamplerLoader"),
+        ({"generator": object()}, "pass seed instead of a generator"),
+        ({"shufle": True}, "shufle"),
+    ],
+)
+def test_a_torch_dataloader_argument_the_map_loader_does_not_take_is_named(
+    kwargs: dict[str, Any], says: str
+) -> None:
+    """MapLoader's signature is not torch's (docs/design.md): an argument of torch's it does
+    not take is named, with what to do instead, not a bare TypeError."""
+    with pytest.raises(unbroken.ConfigError, match=re.escape(says)) as raised:
+        unbroken.MapLoader(list(range(8)), 4, **kwargs)
+    assert next(iter(kwargs)) in str(raised.value)

@@ -162,7 +162,10 @@ class MapLoader(LoaderBase):
         reseed_globals: bool | str | Sequence[str] = True,
         rank: int | None = None,
         world_size: int | None = None,
+        **unknown: Any,
     ) -> None:
+        if unknown:
+            raise ConfigError(_unknown_arguments(unknown))
         if isinstance(dataset, tud.IterableDataset) or not hasattr(dataset, "__len__"):
             raise ConfigError(
                 "MapLoader needs a map-style dataset with __len__; for an iterable dataset "
@@ -342,3 +345,18 @@ class MapLoader(LoaderBase):
         self.position = int(state_dict["position"])
         self._ended = bool(state_dict.get("ended", False))
         self._restart = self._plan is not None
+
+
+def _unknown_arguments(unknown: dict[str, Any]) -> str:
+    """What to do instead of a torch DataLoader argument MapLoader does not take."""
+    names = ", ".join(sorted(unknown))
+    text = f"MapLoader got argument(s) it does not take: {names}."
+    if {"sampler", "batch_sampler"} & set(unknown):
+        text += (
+            " MapLoader draws its own order from (seed, epoch), which is what lets it resume "
+            "mid-epoch on any world size; for a sampler of your own use "
+            "unbroken.data.SamplerLoader(dataset, sampler=..., batch_size=...)."
+        )
+    if "generator" in unknown:
+        text += " The shuffle is seeded by seed=...: pass seed instead of a generator."
+    return text + " Its arguments: docs/api.md (MapLoader)."

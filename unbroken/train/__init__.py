@@ -3,10 +3,11 @@
 The run's own names (``Run``, ``RunConfig``, ``StepContext``, ``export_weights``,
 ``read_metrics``, ``make_deterministic``) are also at the top level (``unbroken.Run``); the
 settings and their schedules (``Settings``, ``WarmupCosine``, ...), ``Change``,
-``CanonicalShards``, ``determinism_problems`` and ``write_trace`` are imported from here.
+``CanonicalGradients``, ``determinism_problems`` and ``write_trace`` are imported from here.
 """
 
-from ._canonical import CanonicalShards
+from .. import _lazy
+from ._canonical import CanonicalGradients
 from ._config import RunConfig
 from ._determinism import determinism_problems, make_deterministic
 from ._loop import StepContext
@@ -25,7 +26,7 @@ from ._settings import (
 from ._staging import Change
 
 __all__ = [
-    "CanonicalShards",
+    "CanonicalGradients",
     "Change",
     "Constant",
     "EpochTable",
@@ -43,3 +44,9 @@ __all__ = [
     "read_metrics",
     "write_trace",
 ]
+
+# Renamed: "Shards" also named a loader (unbroken.data.IterableShards) and a dataset
+# (unbroken.data.JsonlShards); this one is a way of computing gradients.
+_DEPRECATED = {"CanonicalShards": "unbroken.train.CanonicalGradients"}
+
+__getattr__, __dir__ = _lazy.exports(__name__, {}, _DEPRECATED)

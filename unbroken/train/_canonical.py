@@ -48,7 +48,7 @@ class _Layout:
     device: torch.device
 
 
-class CanonicalShards:
+class CanonicalGradients:
     """Make every world size dividing ``shards`` compute the very same update.
 
     ``model``: the (DDP-wrapped or plain) module, or a function returning the current one
@@ -59,7 +59,7 @@ class CanonicalShards:
     shard. The bits are the same either way. Track it in the run
     (``Run(..., canonical=canon)``) so its call count, which seeds those streams, resumes too::
 
-        canon = unbroken.train.CanonicalShards(net, shards=6, scaler=scaler)
+        canon = unbroken.train.CanonicalGradients(net, shards=6, scaler=scaler)
         run = unbroken.Run("runs/x", model=net, optimizer=opt, loader=loader, canonical=canon)
         for x, y in run.loop(loader):
             for xs, ys in canon.shards(x, y, sync=not run.accumulating):
@@ -79,7 +79,7 @@ class CanonicalShards:
         overlap: bool = True,
     ) -> None:
         if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
-            raise ConfigError(f"CanonicalShards: shards must be a positive int, got {shards!r}")
+            raise ConfigError(f"CanonicalGradients: shards must be a positive int, got {shards!r}")
         self.num_shards = shards
         self.scaler = scaler
         self.seed = int(seed)
@@ -90,7 +90,7 @@ class CanonicalShards:
         self.rank = _dist.rank() if group is None else dist.get_rank(group)
         if shards % self.world:
             raise ConfigError(
-                f"CanonicalShards: {shards} shards cannot be split over {self.world} ranks; "
+                f"CanonicalGradients: {shards} shards cannot be split over {self.world} ranks; "
                 f"run on a world size that divides {shards} (or choose shards as a multiple of "
                 "every world size you will use, e.g. 12 for 1, 2, 3, 4, 6)"
             )
@@ -129,20 +129,20 @@ class CanonicalShards:
             "FSDP"
         ):
             raise ConfigError(
-                "CanonicalShards does not support FSDP2 (sharded parameters are reduce-scattered "
-                "in an order fixed by the world size); use DDP or a plain module"
+                "CanonicalGradients does not support FSDP2 (sharded parameters are "
+                "reduce-scattered in an order fixed by the world size); use DDP or a plain module"
             )
         norms = [n for n, m in inner.named_modules() if _running_stats(m)]
         if norms:
             warnings.warn(
-                f"CanonicalShards: {norms[0]!r} keeps running statistics; they are updated by "
+                f"CanonicalGradients: {norms[0]!r} keeps running statistics; they are updated by "
                 "the shards each rank computes, so they (not the gradients) depend on the world "
                 "size. Use track_running_stats=False, or LayerNorm/GroupNorm",
                 stacklevel=3,
             )
         if torch.cuda.is_available() and not torch.are_deterministic_algorithms_enabled():
             warnings.warn(
-                "CanonicalShards: torch.use_deterministic_algorithms(True) is off; CUDA kernels "
+                "CanonicalGradients: torch.use_deterministic_algorithms(True) is off; CUDA kernels "
                 "(atomics in index_add, scatter, some convolutions) may change the bits from run "
                 "to run, and then from world size to world size",
                 stacklevel=3,
@@ -150,7 +150,7 @@ class CanonicalShards:
         threads = _dist.all_gather_object(torch.get_num_threads(), self.group)
         if len(set(threads)) > 1:
             warnings.warn(
-                f"CanonicalShards: ranks use different intra-op thread counts {threads}; CPU "
+                f"CanonicalGradients: ranks use different intra-op thread counts {threads}; CPU "
                 "reductions split by thread, so shards computed on different ranks may differ "
                 "in the last bit. Call torch.set_num_threads(N) with the same N everywhere",
                 stacklevel=3,
@@ -203,7 +203,7 @@ class CanonicalShards:
                 if not self._backed:
                     self._chain = None
                     raise ConfigError(
-                        f"CanonicalShards: shard {first + j} ended without canon.backward(loss)"
+                        f"CanonicalGradients: shard {first + j} ended without canon.backward(loss)"
                     )
                 self._harvest(layout, j)
         self._pending = True
@@ -217,16 +217,16 @@ class CanonicalShards:
         """``loss.backward()`` for the current shard (scaled by the scaler if one was given)."""
         j = self._shard
         if j is None:
-            raise ConfigError("CanonicalShards.backward() must be called inside canon.shards()")
+            raise ConfigError("CanonicalGradients.backward() must be called inside canon.shards()")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ConfigError("CanonicalShards.backward() needs the shard's scalar loss tensor")
+            raise ConfigError("CanonicalGradients.backward() needs the shard's scalar loss tensor")
         assert self._losses is not None
         chain = self._chain
         if chain is not None and chain.live and self._backed:
             raise ConfigError(
-                "CanonicalShards: a second backward() in the last shard of a synchronised call; "
+                "CanonicalGradients: a second backward() in the last shard of a synchronised call; "
                 "its gradients are already on their way to the other ranks. Add the losses and "
-                "call backward() once, or construct CanonicalShards(..., overlap=False)"
+                "call backward() once, or construct CanonicalGradients(..., overlap=False)"
             )
         if self._backed:  # several backward() calls a shard: from now on, sum after the shard
             self._several = True
@@ -246,14 +246,14 @@ class CanonicalShards:
                 return old
         if self._pending:
             raise ConfigError(
-                "CanonicalShards: the model's parameters changed while gradients were pending "
+                "CanonicalGradients: the model's parameters changed while gradients were pending "
                 "(sync=False); change the model only at a step boundary"
             )
         groups: dict[torch.dtype, list[tuple[int, int, int]]] = {}
         sizes: dict[torch.dtype, int] = {}
         devices = {p.device for p in params}
         if len(devices) > 1:
-            raise ConfigError(f"CanonicalShards: parameters on several devices {devices}")
+            raise ConfigError(f"CanonicalGradients: parameters on several devices {devices}")
         for i, p in enumerate(params):
             off = sizes.get(p.dtype, 0)
             groups.setdefault(p.dtype, []).append((i, off, p.numel()))
@@ -313,10 +313,10 @@ class CanonicalShards:
                 if chain is not None and chain.taken[i] and p.grad is not None:
                     self._chain = None
                     raise ConfigError(
-                        "CanonicalShards: a parameter's gradient grew again after it was sent "
+                        "CanonicalGradients: a parameter's gradient grew again after it was sent "
                         "to the other ranks (a second accumulation in the last shard of a "
                         "synchronised call, e.g. a weight shared across reentrant checkpoints); "
-                        "construct CanonicalShards(..., overlap=False)"
+                        "construct CanonicalGradients(..., overlap=False)"
                     )
                 self._take(p, i, buf[off : off + n], j)
 
@@ -392,7 +392,7 @@ class CanonicalShards:
     def state_dict(self) -> dict[str, Any]:
         if self._pending:
             raise ConfigError(
-                "CanonicalShards: saving while gradients are pending (sync=False); save at a "
+                "CanonicalGradients: saving while gradients are pending (sync=False); save at a "
                 "step boundary"
             )
         return {
@@ -405,20 +405,20 @@ class CanonicalShards:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:
-            raise ConfigError(f"CanonicalShards state has version {state.get('version')!r}")
+            raise ConfigError(f"CanonicalGradients state has version {state.get('version')!r}")
         self.calls = int(state["calls"])
         for key, now in (("shards", self.num_shards), ("seed", self.seed)):
             if state[key] != now:
                 warnings.warn(
-                    f"CanonicalShards: {key} was {state[key]} and is {now} now; the run goes on, "
-                    "but no longer computes what a run that kept it would",
+                    f"CanonicalGradients: {key} was {state[key]} and is {now} now; the run goes "
+                    "on, but no longer computes what a run that kept it would",
                     stacklevel=2,
                 )
         if state["threads"] != torch.get_num_threads():
             warnings.warn(
-                f"CanonicalShards: the run was saved with {state['threads']} intra-op threads and "
-                f"now has {torch.get_num_threads()}; CPU reductions split by thread, so the bits "
-                "may differ from an uninterrupted run. Call torch.set_num_threads("
+                f"CanonicalGradients: the run was saved with {state['threads']} intra-op threads "
+                f"and now has {torch.get_num_threads()}; CPU reductions split by thread, so the "
+                "bits may differ from an uninterrupted run. Call torch.set_num_threads("
                 f"{state['threads']})",
                 stacklevel=2,
             )
@@ -440,7 +440,7 @@ class _Chain:
     on at once, while backward computes the rest. What is left is done in :meth:`finish`.
     """
 
-    def __init__(self, canon: CanonicalShards, layout: _Layout, *, live: bool) -> None:
+    def __init__(self, canon: CanonicalGradients, layout: _Layout, *, live: bool) -> None:
         self.canon, self.layout, self.live = canon, layout, live
         self.per = canon.num_shards // canon.world
         self.left = [len(e) for e in canon._bucket_entries]  # parameters not yet complete
@@ -571,13 +571,13 @@ def _split(batch: Any, per: int, k: int, world: int) -> list[Any]:
     _dim0(batch, sizes)
     if len(sizes) != 1:
         raise ConfigError(
-            "CanonicalShards: the batch needs tensors whose first dimensions agree (got "
+            "CanonicalGradients: the batch needs tensors whose first dimensions agree (got "
             f"{sorted(sizes) or 'none'})"
         )
     n = sizes.pop()
     if n % per:
         raise ConfigError(
-            f"CanonicalShards: this rank's batch of {n} samples cannot be cut into {per} equal "
+            f"CanonicalGradients: this rank's batch of {n} samples cannot be cut into {per} equal "
             f"shards; the global batch ({n * world}) must be a multiple of shards={k} (an "
             "epoch's last, smaller batch too: use drop_last=True or a dataset length that is a "
             "multiple of the batch size)"

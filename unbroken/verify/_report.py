@@ -308,8 +308,8 @@ REDUCTION = (
     "communication hook of your own (Run warned: ResumeWarning) or one it does not see; with "
     "NCCL, a resume on other nodes may pick another algorithm (NCCL_ALGO=Ring, "
     "NCCL_PROTO=Simple). See docs/distributed.md ('What is bitwise where'): "
-    "unbroken.train.CanonicalShards sums in one order on every world size; if rounding differences "
-    "are acceptable, compare with --atol/--rtol."
+    "unbroken.train.CanonicalGradients sums in one order on every world size; if rounding "
+    "differences are acceptable, compare with --atol/--rtol."
 )
 
 
