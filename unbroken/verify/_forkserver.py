@@ -128,8 +128,15 @@ class ForkServer:
             return self._ready
 
     def spawn(
-        self, argv: list[str], env: Mapping[str, str], cwd: str, log_path: str
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        cwd: str,
+        log_path: str,
+        path: Sequence[str] = (),
     ) -> ForkedProcess:
+        """Fork a child that runs ``argv`` (a :func:`forkable` command); ``path`` goes before
+        the child's ``sys.path`` (verify's own comparison job: verify's unbroken)."""
         parsed = forkable(argv)
         if parsed is None:
             raise ValueError(f"not a command the fork server runs: {argv!r}")
@@ -142,6 +149,7 @@ class ForkServer:
             "cwd": cwd,
             "log": log_path,
             "unbuffered": "-u" in argv[1:2],
+            "path": list(path),
         }
         with self._send_lock:
             assert self._proc.stdin is not None
@@ -222,6 +230,7 @@ def _child(req: dict[str, Any], out: IO[bytes]) -> None:
         sys.argv = list(req["argv"])
         if req["module"]:
             sys.path.insert(0, os.getcwd())  # as `python -m` does (the server popped its own)
+            sys.path[:0] = req.get("path", [])
             runpy.run_module(req["target"], run_name="__main__", alter_sys=True)
         else:
             sys.argv[0] = req["target"]
@@ -320,6 +329,10 @@ def serve() -> None:
             os.killpg(pid, signal.SIGKILL)
         except OSError:
             pass
+    # Verify waits for this exit: skip the teardown of an interpreter that imported torch
+    # (about a second), which has nothing left to write.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ the job survived the kill and trained on. Moments are watched from outside: a st
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -34,7 +35,7 @@ from ..process import _protocol, _stops, _tree
 from ..process._exit import EXIT_OK, EXIT_RESUMABLE
 from ..process._logfile import METRICS_FILE, last_logged_step
 from ..store import _layout
-from ._compare import compare_runs
+from ._findings import Comparison, comparison_from_json
 from ._forkserver import ForkServer, forkable
 from ._plan import Target, next_target, plan_interrupts
 from ._report import Interruption, VerifyReport, hints_for, parted
@@ -178,15 +179,15 @@ def verify_resume(
                     f"({planned_from[0]} steps, saves at {planned_from[1]}); the reference ran "
                     f"{total} steps, saved at {save_steps}"
                 )
+        t_ref = ref_thread.seconds if ref_thread is not None else t1 - t0
+        say(f"comparing the runs in {work}")
+        cmp = s.compare(ref_dir, other_dir, atol=atol, rtol=rtol, ignore=ignore, notes=notes)
     finally:
         if ref_thread is not None:
             ref.aborted.set()
             ref_thread.join()
         if s.forks is not None:
             s.forks.close()
-    t_ref = ref_thread.seconds if ref_thread is not None else t1 - t0
-    say(f"comparing the runs in {work}")
-    cmp = compare_runs(ref_dir, other_dir, atol=atol, rtol=rtol, ignore=ignore)
     report = VerifyReport(
         passed=cmp.passed,
         command=list(argv),
@@ -473,6 +474,59 @@ class _Session:
                 f"{len(pending)} planned interruption(s) not made: the run completed first"
             )
         return out
+
+    # ---- the comparison -----------------------------------------------------------------------
+
+    def compare(
+        self,
+        ref_dir: str,
+        other_dir: str,
+        *,
+        atol: float,
+        rtol: float,
+        ignore: Sequence[str],
+        notes: list[str],
+    ) -> Comparison:
+        """compare_runs, in a child of the fork server where there is one (it imported torch:
+        verify's own process never does), else here."""
+        if self.forks is not None and self._can_fork(notes):
+            try:
+                found = self._compare_forked(ref_dir, other_dir, atol, rtol, list(ignore))
+            except OSError:
+                found = None
+            if found is not None:
+                return found
+            notes.append(
+                "the comparison could not run in a child of the fork server (compare.log in "
+                "the work directory): it ran in verify's own process"
+            )
+        from ._compare import compare_runs  # imports torch
+
+        return compare_runs(ref_dir, other_dir, atol=atol, rtol=rtol, ignore=ignore)
+
+    def _compare_forked(
+        self, ref_dir: str, other_dir: str, atol: float, rtol: float, ignore: list[str]
+    ) -> Comparison | None:
+        assert self.forks is not None
+        job, out = (os.path.join(self.work, f"compare.{x}") for x in ("job.json", "json"))
+        spec = {"ref": ref_dir, "other": other_dir, "atol": atol, "rtol": rtol}
+        with open(job, "w") as f:
+            json.dump({**spec, "ignore": ignore, "out": out}, f)
+        argv = [self.argv[0], "-m", f"{__package__}._compare_job", job]
+        # verify's own unbroken, whatever the command's interpreter finds first
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = _protocol.verify_env(self.base, run_dir=self.work)
+        log = os.path.join(self.work, "compare.log")
+        proc = self.forks.spawn(argv, env, os.getcwd(), log, path=[root])
+        proc.wait()
+        try:
+            with open(out) as f:
+                result = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if "error" in result:
+            raise VerifyError(result["error"])
+        return comparison_from_json(result["comparison"])
 
     # ---- processes ----------------------------------------------------------------------------
 
