@@ -9,11 +9,12 @@ directory's checkpoint, exactly as for a new process. What a child shares with i
 and not with a new interpreter is reset or left out: Python's and NumPy's global random
 streams, and torch's default generator, are reseeded from the OS, as a new interpreter seeds
 them; ``hash()``
-of a string keeps the server's seed, which differs from the reference run's (a real process),
-so a script that depends on it still shows up. unbroken itself is not imported by the server
-(its import is cheap, and it keeps per-process state from its import: the process that owns
-the stop signals, say), so each child imports it afresh. The first launch of the interrupted run and
-the one killed during a save stay real processes (_runner).
+of a string keeps the server's seed, which differs from the reference run's (a new process:
+_runner), so a script that depends on it still shows up. unbroken itself is not imported by the
+server (its import is cheap, and it keeps per-process state from its import: the process that
+owns the stop signals, say), so each child imports it afresh. verify's comparison runs in a child
+too (``python -m unbroken.verify._compare_job``, with verify's unbroken first on ``sys.path``:
+the request's ``path``), so that verify itself never imports torch.
 
 Only ``python SCRIPT.py ...`` and ``python -m MODULE ...`` (optionally ``-u``) can be forked
 (:func:`forkable`); anything else (torchrun, a shell wrapper, other interpreter options) is
@@ -23,9 +24,9 @@ thread. Native pools (OpenBLAS's, started by importing numpy) reset themselves i
 (their pthread_atfork handlers), as they do for every forked DataLoader worker.
 
 Protocol: JSON lines. To the server (stdin): ``{"argv", "env", "cwd", "log", "target",
-"module"}``; from it (stdout): ``{"pid": N}`` once forked, ``{"exit": N, "code": C}`` when a
-child ended (``C`` as ``Popen.returncode``: negative for a signal), ``{"error": TEXT}``. It
-exits at EOF on stdin (verify ended), killing children it still has.
+"module", "unbuffered", "path"}``; from it (stdout): ``{"pid": N}`` once forked, ``{"exit": N,
+"code": C}`` when a child ended (``C`` as ``Popen.returncode``: negative for a signal),
+``{"error": TEXT}``. It exits at EOF on stdin (verify ended), killing children it still has.
 """
 
 from __future__ import annotations

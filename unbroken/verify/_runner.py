@@ -93,10 +93,10 @@ def verify_resume(
     What it costs: the interrupted run trains beside the reference (``side_by_side``; by
     default where the machine has two cores or more), planned from the ``max_steps`` and
     ``save_every`` its Run told (``step_progress`` then follows the interrupted run alone); the
-    reference and the relaunches after a SIGKILL or SIGTERM are forked from an interpreter that
-    imported torch once (``fork``; ``python SCRIPT`` and ``python -m MODULE`` commands), while
-    the interrupted run's first launch and the one killed during a save are new processes.
-    The report says which launch was which.
+    reference is a new process, and every launch of the interrupted run (the one killed during
+    a save too) is forked from an interpreter that imported torch once (``fork``; ``python
+    SCRIPT`` and ``python -m MODULE`` commands), which also runs the comparison, so that
+    verify's own process never imports torch. The report says which launch was which.
     """
     argv = _check_command(cmd)
     _check_options(interrupts, atol, rtol, timeout)
@@ -125,10 +125,9 @@ def verify_resume(
             f"environment variable {ENV_RUN_DIR}"
         )
     if fork and interrupts > 0 and forkable(argv) is not None:
-        # Started now: it imports torch while the reference run starts.
+        # Started now: it imports torch while the reference run, a new process, starts.
         env = _protocol.verify_env(base, run_dir=work)
         s.forks = ForkServer(argv[0], env, os.path.join(work, "forkserver.log"))
-        ref.forks = s.forks
     elif fork and interrupts > 0:
         notes.append(
             "every launch a new process: only `python SCRIPT.py ...` and `python -m MODULE "
@@ -379,10 +378,11 @@ class _Session:
     def reference(self, run_dir: str) -> tuple[int, list[int]]:
         self.say(f"reference run (uninterrupted) in {run_dir}")
         t0 = time.perf_counter()
-        # Forked where it can be: the first launch of the interrupted run, a new process, is
-        # what shows a script that does not repeat itself from a new process on.
-        self.launched = FORK if self._can_fork([]) else PROCESS
-        proc, log = self._start(run_dir, "reference", 1, fork=self.launched == FORK)
+        # A new process, started at once (the fork server imports torch meanwhile): compared
+        # with the interrupted run, whose launches are forked, it shows a script that does not
+        # repeat itself from a new process on.
+        self.launched = PROCESS
+        proc, log = self._start(run_dir, "reference", 1)
         self._live = ("reference", run_dir, None)
         try:
             code = self._finish(proc, log)
@@ -426,10 +426,9 @@ class _Session:
                 )
             if out.launches > 1:
                 out.resumed_from.append(_latest_committed(run_dir))
-            # The first launch (from scratch: does the script repeat itself?) and the one to
-            # be killed during a save (the save path of the real command) are new processes.
-            real = out.launches == 1 or (target is not None and target.kind == "save")
-            how = PROCESS if real or not self._can_fork(out.notes) else FORK
+            # Every launch is forked where the command can be: the reference, a new process,
+            # is what a start-up from a new interpreter is compared against.
+            how = FORK if self._can_fork(out.notes) else PROCESS
             out.launched.append(how)
             proc, log = self._start(run_dir, "interrupted", out.launches, fork=how == FORK)
             self._live = (f"interrupted, launch {out.launches}", run_dir, total)
