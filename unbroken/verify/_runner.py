@@ -508,6 +508,8 @@ class _Session:
     ) -> Comparison | None:
         assert self.forks is not None
         job, out = (os.path.join(self.work, f"compare.{x}") for x in ("job.json", "json"))
+        if os.path.exists(out):
+            os.remove(out)  # an earlier verify's, in a reused work directory
         spec = {"ref": ref_dir, "other": other_dir, "atol": atol, "rtol": rtol}
         with open(job, "w") as f:
             json.dump({**spec, "ignore": ignore, "out": out}, f)
