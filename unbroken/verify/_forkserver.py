@@ -1,7 +1,7 @@
-"""Relaunches without the start-up: a Python interpreter that imported torch (numpy, and torch's
-distributed checkpointing) once, then forks a fresh child per launch, which runs the user's
-script as ``python SCRIPT ARGS`` would (``runpy``, ``__main__``, ``sys.argv``, the launch's
-environment, its own session).
+"""Relaunches without the start-up: a Python interpreter that imported torch (numpy, torch's
+distributed checkpointing, and torch._dynamo, which a torch optimizer imports) once, then forks
+a fresh child per launch, which runs the user's script as ``python SCRIPT ARGS`` would
+(``runpy``, ``__main__``, ``sys.argv``, the launch's environment, its own session).
 
 Why a fork is an honest relaunch for ``unbroken verify``: the server never runs the script, so
 a child starts with no training state at all -- whatever it trains on comes from the run
@@ -9,11 +9,12 @@ directory's checkpoint, exactly as for a new process. What a child shares with i
 and not with a new interpreter is reset or left out: Python's and NumPy's global random
 streams, and torch's default generator, are reseeded from the OS, as a new interpreter seeds
 them; ``hash()``
-of a string keeps the server's seed, which differs from the reference run's (a real process),
-so a script that depends on it still shows up. unbroken itself is not imported by the server
-(its import is cheap, and it keeps per-process state from its import: the process that owns
-the stop signals, say), so each child imports it afresh. The first launch of the interrupted run and
-the one killed during a save stay real processes (_runner).
+of a string keeps the server's seed, which differs from the reference run's (a new process:
+_runner), so a script that depends on it still shows up. unbroken itself is not imported by the
+server (its import is cheap, and it keeps per-process state from its import: the process that
+owns the stop signals, say), so each child imports it afresh. verify's comparison runs in a child
+too (``python -m unbroken.verify._compare_job``, with verify's unbroken first on ``sys.path``:
+the request's ``path``), so that verify itself never imports torch.
 
 Only ``python SCRIPT.py ...`` and ``python -m MODULE ...`` (optionally ``-u``) can be forked
 (:func:`forkable`); anything else (torchrun, a shell wrapper, other interpreter options) is
@@ -23,9 +24,9 @@ thread. Native pools (OpenBLAS's, started by importing numpy) reset themselves i
 (their pthread_atfork handlers), as they do for every forked DataLoader worker.
 
 Protocol: JSON lines. To the server (stdin): ``{"argv", "env", "cwd", "log", "target",
-"module"}``; from it (stdout): ``{"pid": N}`` once forked, ``{"exit": N, "code": C}`` when a
-child ended (``C`` as ``Popen.returncode``: negative for a signal), ``{"error": TEXT}``. It
-exits at EOF on stdin (verify ended), killing children it still has.
+"module", "unbuffered", "path"}``; from it (stdout): ``{"pid": N}`` once forked, ``{"exit": N,
+"code": C}`` when a child ended (``C`` as ``Popen.returncode``: negative for a signal),
+``{"error": TEXT}``. It exits at EOF on stdin (verify ended), killing children it still has.
 """
 
 from __future__ import annotations
@@ -160,8 +161,15 @@ class ForkServer:
             return self._ready
 
     def spawn(
-        self, argv: list[str], env: Mapping[str, str], cwd: str, log_path: str
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        cwd: str,
+        log_path: str,
+        path: Sequence[str] = (),
     ) -> ForkedProcess:
+        """Fork a child that runs ``argv`` (a :func:`forkable` command); ``path`` goes before
+        the child's ``sys.path`` (verify's own comparison job: verify's unbroken)."""
         parsed = forkable(argv)
         if parsed is None:
             raise ValueError(f"not a command the fork server runs: {argv!r}")
@@ -174,6 +182,7 @@ class ForkServer:
             "cwd": cwd,
             "log": log_path,
             "unbuffered": "-u" in argv[1:2],
+            "path": list(path),
         }
         with self._send_lock:
             assert self._proc.stdin is not None
@@ -254,6 +263,7 @@ def _child(req: dict[str, Any], out: IO[bytes]) -> None:
         sys.argv = list(req["argv"])
         if req["module"]:
             sys.path.insert(0, os.getcwd())  # as `python -m` does (the server popped its own)
+            sys.path[:0] = req.get("path", [])
             runpy.run_module(req["target"], run_name="__main__", alter_sys=True)
         else:
             sys.argv[0] = req["target"]
@@ -292,11 +302,13 @@ def serve(preload: Sequence[str] = ()) -> None:
     # shadow anything the imports below (or a child) look for.
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
         sys.path.pop(0)
-    # What takes the time of a start-up: torch, and the part of it unbroken's Run loads
-    # (distributed checkpointing: a third of the rest). The script's other imports are its own.
+    # What takes the time of a start-up: torch, the part of it unbroken's Run loads
+    # (distributed checkpointing: a third of the rest), and torch._dynamo, which every torch
+    # optimizer's constructor imports (a second; 3/4 of a forked relaunch's start without it).
+    # The script's other imports are its own.
     import torch  # noqa: F401
 
-    for name in ("numpy", "torch.distributed.checkpoint"):
+    for name in ("numpy", "torch.distributed.checkpoint", "torch._dynamo"):
         try:
             __import__(name)
         except ImportError:
@@ -363,7 +375,8 @@ def serve(preload: Sequence[str] = ()) -> None:
             os.killpg(pid, signal.SIGKILL)
         except OSError:
             pass
-    # Nothing to save: skip tearing down torch's modules, which takes seconds on a busy machine.
+    # Verify waits for this exit: skip the teardown of an interpreter that imported torch
+    # (about a second, more on a busy machine), which has nothing left to write.
     sys.stderr.flush()
     os._exit(0)
 

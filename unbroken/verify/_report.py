@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ._compare import Comparison, Difference, FirstDifferences
+from ._findings import Comparison, Difference, FirstDifferences
 from ._volatile import NotCompared, listing
 
 
