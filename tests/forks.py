@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -73,6 +74,7 @@ def _close() -> None:
     for server in _servers.values():
         if server is not None:
             server.close()
+    shutil.rmtree(_logs, ignore_errors=True)
 
 
 @dataclass
