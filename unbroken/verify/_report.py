@@ -513,13 +513,13 @@ def hints_for(cmp: Comparison, resumed_from: list[int]) -> list[str]:
         where = {"step": onset.step, "resume": onset.resume}
         samples = [k for k in onset.differ if _is_samples(k)]
         moved = {d.component.split("@")[0] for d in state} & set(loaders)
-        made = loaders and not moved and not rng_first and all(map(_is_content, samples))
+        made = bool(loaders) and not moved and not rng_first and all(map(_is_content, samples))
         if samples and made:
             # Only a checksum of the batch differs (not its sample ids), the loader's position
             # and the global streams agree: what was made of the samples, by a generator of
             # the collate's own (a draw from the global streams made ahead is RNG_AHEAD).
-            keys = ", ".join(f"metrics.{k}" for k in samples)
-            hints.append(BATCH_MADE.format(**where, keys=keys, loader=", ".join(loaders)))
+            logged = ", ".join(f"metrics.{k}" for k in samples)
+            hints.append(BATCH_MADE.format(**where, keys=logged, loader=", ".join(loaders)))
         elif samples:
             hints.append(SAMPLES.format(**where))
         ahead = rng_first and "loss" in onset.differ
