@@ -109,4 +109,12 @@ def test_a_collator_with_a_generator_of_its_own_is_refused(tmp_path: Path) -> No
     with pytest.raises(ConfigError, match=r"DataCollatorForLanguageModeling\(seed=...\)"):
         trainer(seed=3)
     trainer(seed=None)  # the global streams, seeded per batch by the loader: accepted
+    # Held by a wrapper (tests/scripts/hf_mlm.py crops first), it is found all the same.
+    from tests.scripts.hf_mlm import CropThenMask
+
+    wrapped = CropThenMask(DataCollatorForLanguageModeling(tokenizer, seed=3))
+    with pytest.raises(ConfigError, match=r"DataCollatorForLanguageModeling\(seed=...\)"):
+        TransformersTrainer(
+            model=BertForMaskedLM(config), args=args, train_dataset=data, data_collator=wrapped
+        )
     trainer(seed=3, strict=False)  # a warning

@@ -166,6 +166,21 @@ class _TrainerProgress:
         t.current_flos = state_dict["current_flos"]
 
 
+def _seeded_collator(collator: Any) -> Any:
+    """A collator masking from a generator of its own (``DataCollatorForLanguageModeling(
+    seed=...)``): ``collator`` itself, or one it holds (a wrapper that crops first, a
+    ``functools.partial``), else None."""
+    held = [collator, getattr(collator, "func", None)]
+    try:
+        held += list(vars(collator).values())
+    except TypeError:  # no __dict__ (slots, a builtin)
+        pass
+    for c in held:
+        if getattr(c, "seed", None) is not None and hasattr(c, "generator"):
+            return c
+    return None
+
+
 def _trainer_class() -> type:
     try:
         import transformers
@@ -343,10 +358,10 @@ def _build() -> type:
                 )
             if a.auto_find_batch_size:
                 self._unbroken_inexact("auto_find_batch_size restarts the loop with other batches")
-            collator = self.data_collator
-            if getattr(collator, "seed", None) is not None and hasattr(collator, "generator"):
+            seeded = _seeded_collator(self.data_collator)
+            if seeded is not None:
                 self._unbroken_inexact(
-                    f"{type(collator).__name__}(seed=...) masks from a generator of its own, "
+                    f"{type(seeded).__name__}(seed=...) masks from a generator of its own, "
                     "made per process and never saved, so a resume draws its numbers again from "
                     "the start; drop seed=: the loader seeds the global streams the collator "
                     "draws from per batch, from data_seed (or seed) and the batch's samples"

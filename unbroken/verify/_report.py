@@ -286,6 +286,18 @@ SAMPLES = (
     "or a batch size that depends on something not restored. Use unbroken.MapLoader(dataset, "
     "..., seed=...) and pass it to Run (loader=loader)."
 )
+BATCH_MADE = (
+    "The batch differs at step {step}, the first step after the resume from step {resume} "
+    "(its logged {keys}), while the tracked loader's position ({loader}) agrees at every "
+    "checkpoint: most likely the same samples made into another batch. A collate_fn or "
+    "transform that draws from a generator of its own (transformers' "
+    "DataCollatorForLanguageModeling(seed=...), a torch.Generator, random.Random or numpy "
+    "Generator kept in a collator) is not saved and restarts from its seed after a relaunch. "
+    "Drop that generator and draw from the global streams (unbroken.MapLoader and "
+    "TransformersTrainer seed them per batch for the collate_fn), per sample "
+    "(dataset.get_sample(i, generator)), or pass the generator to Run. If the samples "
+    "themselves differ, a sampler or dataset shuffles with a generator of its own."
+)
 RNG_AHEAD = (
     "A random draw made ahead of the save: at step {step}, the first step after the resume from "
     "step {resume}, the loss already differs, and the global random streams (component 'rng') "
@@ -379,6 +391,13 @@ def _is_samples(key: str) -> bool:
     return bool(parts & {"sample", "samples", "indices", "index", "ids", "idx"}) or key == "batch"
 
 
+def _is_content(key: str) -> bool:
+    """A logged key that sums up the batch's content (``batch``, ``batch_checksum``), not
+    only which samples it holds."""
+    parts = set(key.lower().replace("-", "_").split("_"))
+    return key == "batch" or bool(parts & {"checksum", "digest", "hash"})
+
+
 def _shown(d: Difference) -> str:
     if d.kind == "tensor" and d.max_abs_diff is not None:
         return f"{d.where} (max |Δ| {d.max_abs_diff:.3g})"
@@ -435,9 +454,10 @@ def hints_for(cmp: Comparison, resumed_from: list[int]) -> list[str]:
     the Run's start-up audit recorded (draws after Run(), module state outside the
     state_dict); a callback's saved overrides; parameters no tracked module owns; no tracked
     loader; the learning rate; the loader's position; the optimizer's step count; what differs
-    at the first step after the resume where the runs part (the batch's samples; a random draw
-    made ahead of the save; only the update, its loss agreeing: the reduction); the random
-    streams; then the usual suspects of a model that diverges.
+    at the first step after the resume where the runs part (the batch's samples, or what a
+    collate made of them while the loader's position agrees; a random draw made ahead of the
+    save; only the update, its loss agreeing: the reduction); the random streams; then the
+    usual suspects of a model that diverges.
     """
     if cmp.passed:
         return []
@@ -491,7 +511,16 @@ def hints_for(cmp: Comparison, resumed_from: list[int]) -> list[str]:
     ahead = False
     if onset is not None and onset.first_after and onset.resume is not None:
         where = {"step": onset.step, "resume": onset.resume}
-        if any(_is_samples(k) for k in onset.differ):
+        samples = [k for k in onset.differ if _is_samples(k)]
+        moved = {d.component.split("@")[0] for d in state} & set(loaders)
+        made = bool(loaders) and not moved and not rng_first and all(map(_is_content, samples))
+        if samples and made:
+            # Only a checksum of the batch differs (not its sample ids), the loader's position
+            # and the global streams agree: what was made of the samples, by a generator of
+            # the collate's own (a draw from the global streams made ahead is RNG_AHEAD).
+            logged = ", ".join(f"metrics.{k}" for k in samples)
+            hints.append(BATCH_MADE.format(**where, keys=logged, loader=", ".join(loaders)))
+        elif samples:
             hints.append(SAMPLES.format(**where))
         ahead = rng_first and "loss" in onset.differ
         if ahead:  # RNG, made precise
