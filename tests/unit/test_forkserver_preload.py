@@ -44,3 +44,37 @@ def test_a_file_that_cannot_be_read_or_parsed_preloads_nothing(
     if text is not None:
         script.write_text(text)
     assert preloads(str(script)) == []
+
+
+def test_one_parse_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify_resume called from a thread pool (tests/e2e/test_seeded_bugs.py does): CPython
+    3.11's ast.parse, entered by two threads at once, failed every verification of the fixture
+    with "SystemError: AST constructor recursion depth mismatch". Rare to provoke on purpose,
+    so this checks the cure: no two threads parse at once."""
+    import ast
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    inside, most, lock = 0, 0, threading.Lock()
+    parse = ast.parse
+
+    def slow_parse(*args: object, **kwargs: object) -> ast.Module:
+        nonlocal inside, most
+        with lock:
+            inside += 1
+            most = max(most, inside)
+        time.sleep(0.01)  # long enough for the other threads to come in
+        try:
+            return parse(*args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            with lock:
+                inside -= 1
+
+    monkeypatch.setattr(ast, "parse", slow_parse)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda _: preloads(str(script)), range(16)))
+    assert most == 1
+    assert all(r == results[0] for r in results) and results[0]

@@ -65,6 +65,9 @@ def forkable(argv: Sequence[str]) -> tuple[str, bool, list[str]] | None:
     return None
 
 
+_PARSING = threading.Lock()
+
+
 def preloads(script: str) -> list[str]:
     """What the server imports for ``python SCRIPT``: the :data:`FRAMEWORKS` modules the script
     imports at its top level (``import X``, ``from X import a, b``; as ``"X"`` and ``"X:a,b"``,
@@ -74,7 +77,12 @@ def preloads(script: str) -> list[str]:
 
     try:
         with open(script, "rb") as f:
-            tree = ast.parse(f.read())
+            source = f.read()
+        # One parse at a time: CPython 3.11's AST constructor keeps its recursion depth per
+        # interpreter, and two threads parsing at once (verify_resume called from a thread
+        # pool) fail with "SystemError: AST constructor recursion depth mismatch".
+        with _PARSING:
+            tree = ast.parse(source)
     except (OSError, SyntaxError, ValueError):
         return []
     out: list[str] = []
