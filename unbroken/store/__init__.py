@@ -12,10 +12,10 @@ from .. import _lazy
 
 if TYPE_CHECKING:
     from ._async import AsyncSaver
+    from ._dcp import TensorReader, TensorWriter
     from ._layout import checkpoints_dir, scan, step_name
     from ._lock import WriterLock
     from ._reader import CheckpointReader
-    from ._storage import TensorReader, TensorWriter
     from ._store import CheckpointStore, Listing, Retention
     from .remote._bucket import RemoteStore
 
@@ -26,8 +26,8 @@ _LAZY = {
     "Listing": "._store",
     "RemoteStore": ".remote._bucket",
     "Retention": "._store",
-    "TensorReader": "._storage",
-    "TensorWriter": "._storage",
+    "TensorReader": "._dcp",
+    "TensorWriter": "._dcp",
     "WriterLock": "._lock",
     "checkpoints_dir": "._layout",
     "scan": "._layout",
