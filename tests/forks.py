@@ -115,15 +115,19 @@ class Launch:
             pass
 
 
-def start(script: str | Path, args: Sequence[str], env: Mapping[str, str]) -> Launch:
-    """``python SCRIPT ARGS`` in ``env``: forked where it can be, else a new process."""
+def start(
+    script: str | Path, args: Sequence[str], env: Mapping[str, str], cwd: str | Path | None = None
+) -> Launch:
+    """``python SCRIPT ARGS`` in ``env`` (and ``cwd``): forked where it can be, else a new
+    process."""
     argv = [sys.executable, str(script), *args]
+    where = str(cwd) if cwd is not None else os.getcwd()
     server = _server(str(script), args, env) if enabled() and str(script).endswith(".py") else None
     if server is not None:
         fd, log = tempfile.mkstemp(suffix=".log", dir=_logs)
         os.close(fd)
-        return Launch(server.spawn(argv, env, os.getcwd(), log), log)
+        return Launch(server.spawn(argv, env, where, log), log)
     proc = subprocess.Popen(
-        argv, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        argv, env=dict(env), cwd=where, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     return Launch(proc, None)

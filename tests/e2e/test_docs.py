@@ -2,8 +2,10 @@
 ``unbroken.Run`` passes ``unbroken verify`` as written (killed, relaunched, compared bit for bit);
 the quickstart resumes exactly.
 
-Blocks are executed one per fresh process in an empty temporary directory. Illustrative fragments
-that are not meant to run use another fence (```text, ```bash).
+Blocks are executed one per process in an empty temporary directory, each written to a file and
+run as ``python block.py``, forked from an interpreter that imported torch (and the frameworks
+the block imports) once (tests/forks.py; ``UNBROKEN_TEST_FORKS=0``: each a new process).
+Illustrative fragments that are not meant to run use another fence (```text, ```bash).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import forks
 from tests.golden import ROOT, assert_identical
 
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
@@ -63,15 +66,10 @@ def test_block_runs(code: str, tmp_path: Path, request: pytest.FixtureRequest) -
 
         make_bucket("my-bucket")
         env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the fixture's AWS_* variables
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    block = tmp_path / "block.py"
+    block.write_text(code)
+    code_, _, err = forks.start(block, [], env, cwd=tmp_path).wait(120)
+    assert code_ == 0, err[-4000:]
 
 
 # Runs a block as written from a working directory of its own where the block's literal run
@@ -99,7 +97,9 @@ def test_block_passes_verify(block: str, tmp_path: Path) -> None:
     literal = literal.strip('"') if literal.startswith('"') else "-"
     script = tmp_path / "block.py"
     script.write_text(block)
-    cmd = [sys.executable, "-c", _IN_RUN_DIR, str(script), literal]
+    runner = tmp_path / "in_run_dir.py"  # a script, not `python -c`: verify forks its launches
+    runner.write_text(_IN_RUN_DIR)
+    cmd = [sys.executable, str(runner), str(script), literal]
     report = unbroken.verify_resume(cmd, interrupts=1, seed=0, work_dir=tmp_path / "verify")
     assert report.passed, report.summary()
 
@@ -134,22 +134,22 @@ def test_quickstart_resumes_exactly(tmp_path: Path) -> None:
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     ref.mkdir()
     cut.mkdir()
+    # The reference as a user runs it, a new interpreter; the interrupted run's launches forked.
     subprocess.run([sys.executable, "-c", code], cwd=ref, env=ENV, check=True, timeout=120)
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=cut, env=ENV, stderr=subprocess.PIPE)
+    script = tmp_path / "quickstart.py"
+    script.write_text(code)
+    first = forks.start(script, [], ENV, cwd=cut)
     deadline = time.time() + 60
     while _records(cut / "runs" / "quickstart") < 13 and time.time() < deadline:
         time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 75, err.decode()[-2000:]
-    assert b"relaunch" in err
-    second = subprocess.run(
-        [sys.executable, "-c", code], cwd=cut, env=ENV, timeout=120, capture_output=True
-    )
-    assert second.returncode == 0, second.stderr.decode()[-2000:]
+    os.kill(first.pid, signal.SIGTERM)
+    code_, out, err = first.wait(60)
+    assert code_ == 75, (out + err)[-2000:]
+    assert "relaunch" in out + err
+    code_, out, err = forks.start(script, [], ENV, cwd=cut).wait(120)
+    assert code_ == 0, (out + err)[-2000:]
     # The quickstart seeds every global stream (unbroken.seed_everything), so all of it is equal.
     assert_identical(ref / "runs" / "quickstart", cut / "runs" / "quickstart")
     # A completed run relaunched does no more steps.
-    again = subprocess.run([sys.executable, "-c", code], cwd=cut, env=ENV, timeout=120)
-    assert again.returncode == 0
+    assert forks.start(script, [], ENV, cwd=cut).wait(120)[0] == 0
     assert _records(cut / "runs" / "quickstart") == 40
