@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,17 @@ exec(compile(code, sys.argv[1], "exec"), {"__name__": "__main__"})
 """
 
 
+@pytest.fixture(scope="module")
+def one_fork_server() -> Iterator[None]:
+    """The verifications of this module fork from one server (each reference is still a new
+    process)."""
+    from unbroken.verify import _forkserver
+
+    with _forkserver.shared():
+        yield
+
+
+@pytest.mark.usefixtures("one_fork_server")
 @pytest.mark.parametrize("block", [pytest.param(c, id=i) for i, c in TRAINING])
 def test_block_passes_verify(block: str, tmp_path: Path) -> None:
     import unbroken

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.golden import ROOT
-from unbroken.verify import Comparison, Difference, ScriptFailedError, verify_resume
+from unbroken.verify import Comparison, Difference, ScriptFailedError, _forkserver, verify_resume
 from unbroken.verify import _report as R
 
 SCRIPT = ROOT / "tests" / "scripts" / "bugs" / "train.py"
@@ -71,7 +71,12 @@ def _verify(work: Path, bug: str) -> Any:
 def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("bugs")
     bugs = ["none", "volatile", *CAUGHT_BY_VERIFY, *CAUGHT_AT_START]
-    with pytest.MonkeyPatch.context() as mp, ThreadPoolExecutor(max_workers=2) as pool:
+    # One fork server for all of them (each reference is still a new process).
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        _forkserver.shared(),
+        ThreadPoolExecutor(max_workers=2) as pool,
+    ):
         mp.setenv("OMP_NUM_THREADS", "1")
         mp.setenv("PYTHONPATH", str(ROOT))
         futures = {bug: pool.submit(_verify, work, bug) for bug in bugs}

@@ -78,3 +78,38 @@ def test_one_parse_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         results = list(pool.map(lambda _: preloads(str(script)), range(16)))
     assert most == 1
     assert all(r == results[0] for r in results) and results[0]
+
+
+def test_shared_servers_are_one_per_interpreter_threads_and_preloads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inside ``shared()`` verifications of the same interpreter, OpenMP thread count and
+    preloads get the one server, not theirs to close; it is closed when the block ends. Outside
+    it each gets a server of its own to close."""
+    from unbroken.verify import _forkserver
+
+    made: list[object] = []
+
+    class Fake:
+        def __init__(self, *args: object) -> None:
+            self.closed = False
+            made.append(self)
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(_forkserver, "ForkServer", Fake)
+    one = {"OMP_NUM_THREADS": "1"}
+    with _forkserver.shared():
+        a, a_owned = _forkserver.server_for("py", one, "log-a", ["transformers"])
+        b, b_owned = _forkserver.server_for("py", {**one, "X": "other"}, "log-b", ["transformers"])
+        c, _ = _forkserver.server_for("py", {"OMP_NUM_THREADS": "2"}, "log-c", ["transformers"])
+        d, _ = _forkserver.server_for("py", one, "log-d", [])
+        with _forkserver.shared():  # nested: the same servers, closed by the outer block
+            assert _forkserver.server_for("py", one, "log-e", [])[0] is d
+        assert a is b and not a_owned and not b_owned
+        assert len({id(a), id(c), id(d)}) == 3
+        assert not any(s.closed for s in made)  # type: ignore[attr-defined]
+    assert len(made) == 3 and all(s.closed for s in made)  # type: ignore[attr-defined]
+    e, e_owned = _forkserver.server_for("py", one, "log-f", [])
+    assert e_owned and e not in made[:3]

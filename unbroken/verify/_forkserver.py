@@ -38,7 +38,8 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import IO, Any
 
 _PYTHON = re.compile(r"python(\d+(\.\d+)*)?$")
@@ -230,6 +231,46 @@ class ForkServer:
             self._proc.kill()
             self._proc.wait()
         self._log.close()
+
+
+_shared: dict[tuple[str, str | None, tuple[str, ...]], ForkServer] | None = None
+_shared_lock = threading.Lock()
+
+
+@contextmanager
+def shared() -> Iterator[None]:
+    """Within the block, every ``verify_resume`` of this process forks from one server per
+    interpreter, OpenMP thread count and preloaded frameworks, closed when the block ends,
+    instead of starting (and importing torch in) a server of its own: for a caller that
+    verifies many scripts, such as the project's tests. Each reference run is still a new
+    process, and a child's environment is its own launch's (only what torch reads when it is
+    imported is the first caller's)."""
+    global _shared
+    with _shared_lock:
+        outer, _shared = _shared, ({} if _shared is None else _shared)
+    try:
+        yield
+    finally:
+        if outer is None:
+            with _shared_lock:
+                servers, _shared = list((_shared or {}).values()), None
+            for server in servers:
+                server.close()
+
+
+def server_for(
+    python: str, env: Mapping[str, str], log_path: str, preload: Sequence[str]
+) -> tuple[ForkServer, bool]:
+    """A fork server for one verification, and whether the caller owns it (closes it):
+    inside :func:`shared`, the one already started for the same interpreter, thread count
+    and preloads."""
+    key = (python, env.get("OMP_NUM_THREADS"), tuple(preload))
+    with _shared_lock:
+        if _shared is None:
+            return ForkServer(python, env, log_path, preload), True
+        if key not in _shared:
+            _shared[key] = ForkServer(python, env, log_path, preload)
+        return _shared[key], False
 
 
 # ---- the server (python -m unbroken.verify._forkserver) ------------------------------------------

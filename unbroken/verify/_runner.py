@@ -36,7 +36,7 @@ from ..process._exit import EXIT_OK, EXIT_RESUMABLE
 from ..process._logfile import METRICS_FILE, last_logged_step
 from ..store import _layout
 from ._findings import Comparison, comparison_from_json
-from ._forkserver import ForkServer, forkable, preloads
+from ._forkserver import ForkServer, forkable, preloads, server_for
 from ._plan import Target, next_target, plan_interrupts
 from ._report import Interruption, VerifyReport, hints_for, parted
 from ._unverifiable import ScriptFailedError, VerifyError
@@ -100,6 +100,7 @@ def verify_resume(
     """
     argv = _check_command(cmd)
     _check_options(interrupts, atol, rtol, timeout)
+    owns_forks = False
     work, owned = _prepare_work(work_dir)
     say = progress or (lambda _msg: None)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -129,7 +130,8 @@ def verify_resume(
         env = _protocol.verify_env(base, run_dir=work)
         target, module, _ = forkable(argv) or ("", True, [])
         preload = [] if module else preloads(target)  # the script's frameworks, imported once
-        s.forks = ForkServer(argv[0], env, os.path.join(work, "forkserver.log"), preload)
+        log = os.path.join(work, "forkserver.log")
+        s.forks, owns_forks = server_for(argv[0], env, log, preload)
     elif fork and interrupts > 0:
         notes.append(
             "every launch a new process: only `python SCRIPT.py ...` and `python -m MODULE "
@@ -187,7 +189,7 @@ def verify_resume(
         if ref_thread is not None:
             ref.aborted.set()
             ref_thread.join()
-        if s.forks is not None:
+        if s.forks is not None and owns_forks:
             s.forks.close()
     report = VerifyReport(
         passed=cmp.passed,
