@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from unbroken.verify._forkserver import ForkServer, preloads
+from unbroken.verify._forkserver import ForkedProcess, ForkServer, preloads
 
 ROOT = Path(__file__).resolve().parent.parent
 _servers: dict[tuple[object, ...], ForkServer | None] = {}
@@ -82,22 +82,23 @@ class Launch:
     """One started launch: ``wait`` returns its exit code (negative: the signal that ended it)
     and what it wrote to stdout and stderr, together when it was forked."""
 
-    proc: subprocess.Popen[str] | object
+    proc: subprocess.Popen[str] | ForkedProcess
     log: str | None
 
     @property
     def pid(self) -> int:
-        return int(self.proc.pid)  # type: ignore[attr-defined]
+        return int(self.proc.pid)
 
     def wait(self, timeout: float) -> tuple[int, str, str]:
         try:
-            if self.log is None:
-                out, err = self.proc.communicate(timeout=timeout)  # type: ignore[attr-defined]
-                return int(self.proc.returncode), out, err  # type: ignore[attr-defined]
-            code = int(self.proc.wait(timeout=timeout))  # type: ignore[attr-defined]
+            if isinstance(self.proc, subprocess.Popen):
+                out, err = self.proc.communicate(timeout=timeout)
+                return int(self.proc.returncode), out, err
+            code = int(self.proc.wait(timeout=timeout))
         except subprocess.TimeoutExpired:
             self.kill()
             raise
+        assert self.log is not None  # a forked launch writes both streams to its log
         with open(self.log, errors="replace") as f:
             text = f.read()
         os.unlink(self.log)
@@ -105,12 +106,12 @@ class Launch:
 
     def kill(self) -> None:
         try:
-            if self.log is None:
-                self.proc.send_signal(signal.SIGKILL)  # type: ignore[attr-defined]
-                self.proc.wait()  # type: ignore[attr-defined]
+            if isinstance(self.proc, subprocess.Popen):
+                self.proc.send_signal(signal.SIGKILL)
+                self.proc.wait()
             else:
                 os.killpg(self.pid, signal.SIGKILL)  # a fork leads its own session
-                self.proc.wait(timeout=30)  # type: ignore[attr-defined]
+                self.proc.wait(timeout=30)
         except (OSError, subprocess.TimeoutExpired):
             pass
 
