@@ -107,14 +107,23 @@ def snapshot_areas(proc: subprocess.Popen[str]) -> set[str]:
     return tree_env(proc, "UNBROKEN_SNAPSHOT_DIR")
 
 
+def attempts(proc: subprocess.Popen[str]) -> set[int]:
+    """The attempts of the node's supervisor whose processes run now (``UNBROKEN_ATTEMPT``)."""
+    return {int(a) for a in tree_env(proc, "UNBROKEN_ATTEMPT") if a.isdigit()}
+
+
 def wait_for_attempt(proc: subprocess.Popen[str], attempt: int) -> None:
-    """Until the node's supervisor has launched ``attempt`` (it persisted what it could of
-    the previous one first), bounded by tr.HANG."""
+    """Until the node's supervisor has launched ``attempt`` or a later one (it persisted what
+    it could of the previous one first), bounded by tr.HANG. Or later: a test waits for its
+    survivors one after the other, and meanwhile a node's relaunch may already have ended and
+    been retried (seen: a survivor relaunched while the other survivor's previous torchrun
+    agent, which hosted the rendezvous store, was still up; its attempt 2 ended within seconds,
+    and attempt 3 then waited in the rendezvous while the test looked for attempt 2)."""
     deadline = time.monotonic() + tr.HANG
-    while str(attempt) not in tree_env(proc, "UNBROKEN_ATTEMPT"):
+    while max(attempts(proc), default=0) < attempt:
         assert proc.poll() is None, f"node exited {proc.returncode} before attempt {attempt}"
-        # Where the node's processes wait, should it hang: seen once on a loaded machine (a
-        # survivor of a lost node not relaunching within tr.HANG), not reproduced since.
+        # Where the node's processes wait, should it hang (a survivor's rank blocked in a
+        # collective with the lost node's rank that gloo never failed: see the report).
         assert time.monotonic() < deadline, (
             f"attempt {attempt} never started; the node's processes:\n{tree_report(proc.pid)}"
         )
