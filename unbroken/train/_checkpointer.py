@@ -99,6 +99,7 @@ class Checkpointer:
     def save(self, step: int, payload: Any, meta: dict[str, Any], *, blocking: bool) -> str:
         """Save ``payload`` as checkpoint ``step`` (collective). In the background when saves
         are asynchronous and ``blocking`` is False: then only the copy blocks."""
+        self.settle_snapshot()  # its commit must not race this save's retention
         t0 = time.perf_counter()
         path = self.path(step)
         if self._async is not None and not blocking:
@@ -121,6 +122,14 @@ class Checkpointer:
         """A deleted or replaced lock file: never two writers (rank 0, before each save)."""
         if self.lock.held:
             self.lock.check()
+
+    def settle_snapshot(self) -> float:
+        """Wait for the in-memory snapshot in flight to commit; the seconds waited."""
+        if self.snapshots is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.snapshots.settle()
+        return time.perf_counter() - t0
 
     def after_step(
         self, step: int, saved: bool, collect: Collect, step_seconds: float | None
@@ -146,6 +155,7 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Wait for a background save to commit; raise its error if it failed."""
+        self.settle_snapshot()
         if self._async is not None:
             self._async.wait()
         self.events.deliver()
@@ -185,5 +195,7 @@ class Checkpointer:
             self.remote.close()
 
     def release(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.close()
         if self.lock.held:
             self.lock.release()

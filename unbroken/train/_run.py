@@ -136,6 +136,8 @@ class Run:
             # From now to exit; until training starts a stop exits 75 (resuming is not training).
             install_signal_handlers()
         self._checkpointer.open()
+        if self._checkpointer.snapshots is not None:
+            self._checkpointer.snapshots.track(c.obj for c in self.registry)
         try:
             resumer = Resumer(
                 self.store,
@@ -192,6 +194,9 @@ class Run:
         """
         c = self.counters
         self._checkpointer.check()  # a background save that failed is raised at the next step
+        # The previous step's in-memory snapshot committed before this step is logged: a step
+        # the log shows is never more than one step past the newest snapshot.
+        self._pace.exclude(self._checkpointer.settle_snapshot())
         dt = self._pace.tick()
         c.step += 1
         c.train_seconds += dt

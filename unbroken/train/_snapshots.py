@@ -1,28 +1,55 @@
 """In-memory snapshots of a run (see unbroken/store/_snapshot.py for what they are).
 
 Active only under ``unbroken run`` (which hands the trainer a snapshot area through the process
-protocol) and when ``snapshot_every`` is not 0. ``snapshot_every=None`` (the default) picks the
-interval from the first snapshot's cost: as often as keeps snapshots at <= 2% of the step time,
-every step when that allows it. Every rank takes part in every snapshot (the store's save is
-collective), so the interval is decided on rank 0 and broadcast once.
+protocol) and when ``snapshot_every`` is not 0. ``snapshot_every=None`` (the default) snapshots
+every step when that costs at most ``BUDGET`` of the step time, else picks the interval that
+keeps it there, and says which once. Every rank takes part in every snapshot (the store's save
+is collective), so the interval is decided on rank 0 and broadcast once.
+
+Off the step's critical path: at the end of step N the training hands the snapshot to a
+background thread and goes on. What that costs the step is what ``collect()`` costs (the
+components' state dicts: live tensors, not copies) and a copy of the few tensors that the
+training may change before the next optimizer step (buffers such as BatchNorm's statistics,
+anything not held by a tracked optimizer). The thread copies the rest -- the parameters and
+the optimizer's state, which nothing changes before the next ``optimizer.step()`` -- into the
+free slot while step N+1 runs its forward and backward passes; a hook before every
+``optimizer.step()`` waits for that copy to be complete (:meth:`Snapshots.judge`), and checks
+with torch's version counters that none of the tensors it copied changed meanwhile. Only then
+is the slot hashed and the snapshot committed (still in the thread). A tensor that did change
+under the copy (changed in place by something other than the optimizer) makes that snapshot
+torn: it is not committed -- the previous one stays the newest -- and the tensor is copied at
+the step's end from then on. The next ``run.step()`` waits for the commit before it logs its
+step (:meth:`Snapshots.settle`), so a step the log shows is a step whose predecessor is in a
+snapshot: a crash loses at most one step.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import queue
+import statistics
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
 from .. import _dist, _log, _stops
+from ..state import Payload
+from ..state._ema import BEFORE_UPDATE, EMA
 from ..store import CheckpointReader
 from ..store._nodes import NodeLayout
-from ..store._snapshot import SnapshotArea, SnapshotsOff
+from ..store._snapshot import SnapshotArea, SnapshotsOff, SnapshotTorn
 
 log = _log.get()
-BUDGET = 0.02
-"""Snapshots may cost this fraction of the training time."""
+BUDGET = 0.01
+"""Snapshots may cost this fraction of the step time (on the step's path)."""
+MEASURED = 5
+"""Snapshots taken every step, and timed, before ``snapshot_every=None`` picks the interval."""
 
 Collect = Callable[[], tuple[Any, dict[str, Any]]]
 """Returns (payload, meta) of the state as it is now: what a checkpoint of this step holds."""
@@ -46,6 +73,62 @@ def say_nodes(nodes: int) -> None:
     )
 
 
+class _Changed(Exception):
+    """Raised in the snapshot's thread: tensors it copied changed before the copy was judged."""
+
+
+class _Job:
+    """One snapshot in flight, between the step that took it and its commit."""
+
+    def __init__(self, step: int, payload: Any, meta: dict[str, Any], watch: list) -> None:
+        self.step, self.payload, self.meta = step, payload, meta
+        self.watch: list[tuple[str, torch.Tensor, int]] = watch  # (key, live tensor, version)
+        self.copied = threading.Event()  # every watched tensor is in the slot (or never will be)
+        self.judged = threading.Event()
+        self.done = threading.Event()
+        self.gated = False
+        self.ungated = False  # committed without passing the gate: a write path not through it
+        self.watch_count = len(watch)
+        self.changed: list[str] = []
+        self.outcome = ""  # "committed", "torn", "off"
+        self.error: BaseException | None = None
+        self.waited = 0.0  # seconds the training waited for it
+
+    def copied_all(self) -> None:
+        """The thread's side: every tensor is in the slot."""
+        self.copied.set()
+
+    def gate_judged(self) -> None:
+        """The thread's side, before the commit: wait for the training's verdict."""
+        self.gated = True
+        self.judged.wait()
+        if self.changed:
+            raise _Changed(f"changed during the snapshot's copy: {', '.join(self.changed[:5])}")
+
+    def judge(self) -> None:
+        """The training's side, where it changes none of the tensors (before an optimizer
+        step, at the next ``run.step()``): wait until the copy is complete, then compare every
+        copied tensor's version counter with the one it had when the snapshot was taken. A
+        change that completed before this point shows; none can be under way (the training is
+        here, and CPU ops complete before they return; a GPU's are copied to the host, waited
+        for, before the copy counts as complete)."""
+        if self.judged.is_set():
+            return
+        t0 = time.perf_counter()
+        self.copied.wait()
+        self.changed = [k for k, t, v in self.watch if t._version != v]
+        self.watch = []
+        self.judged.set()
+        self.waited += time.perf_counter() - t0
+
+
+class _Gate:
+    """What the slots call in the snapshot's thread (store/_slots.py)."""
+
+    def __init__(self, job: _Job) -> None:
+        self.copied, self.judged = job.copied_all, job.gate_judged
+
+
 class Snapshots:
     def __init__(self, root: str | None, every: int | None, *, rank: int, run_dir: str) -> None:
         self.rank, self.run_dir = rank, run_dir
@@ -53,6 +136,17 @@ class Snapshots:
         self.interval = every
         self.seconds: float | None = None
         self.taken = 0
+        self.group: Any = None  # the snapshots' own collectives, beside the training's
+        self.optimizers: list[Any] = []  # their params and state change only in their step()
+        self.emas: list[EMA] = []  # their shadows change only in their update()
+        self._sync: set[str] = set()  # keys copied at the step's end (they changed under one)
+        self._job: _Job | None = None
+        self._queue: queue.SimpleQueue[_Job | None] | None = None
+        self._thread: threading.Thread | None = None
+        self._hook: Any = None
+        self._costs: list[float] = []  # what each background snapshot cost the step (s)
+        self._step_s = 0.0  # the step time (a cautious estimate), for the interval's choice
+        self._background = True
         if root and every != 0:
             try:
                 self.area = SnapshotArea(root, clean=rank == 0)
@@ -63,6 +157,8 @@ class Snapshots:
                 self.area = None
             elif _dist.active():
                 self._spread(root)
+                if self.area is not None and self.area.group is None:
+                    self.group = _dist.new_cpu_group()  # collective on every rank
         if self.area is not None:
             # At once, not at the first snapshot: a run that saves durably at every step takes
             # none, and the supervisor still judges a crash's progress by this directory.
@@ -82,10 +178,18 @@ class Snapshots:
         if layout.leader and self.rank != 0:
             self.area.store.clean_stale()  # rank 0 cleaned its own node's area at its creation
         # Collective on every rank; gloo whatever the training's backend: the copies are of
-        # host memory (the snapshot's files).
+        # host memory (the snapshot's files). Also the group of every collective of a
+        # snapshot taken in the background.
         self.area.across_nodes(layout, _dist.new_cpu_group())
         if layout.leader:
             say_nodes(layout.nodes)
+
+    def track(self, components: Iterable[Any]) -> None:
+        """The tracked optimizers (torch.optim) and EMAs: whose tensors change only in their
+        ``step()`` and ``update()`` (which wait for the copy), so are copied in the background."""
+        objs = list(components)
+        self.optimizers = [o for o in objs if isinstance(o, torch.optim.Optimizer)]
+        self.emas = [o for o in objs if isinstance(o, EMA)]
 
     @property
     def active(self) -> bool:
@@ -96,27 +200,180 @@ class Snapshots:
     ) -> float:
         """Called by every rank at the end of each step (after any durable save); returns the
         seconds it took (not training time)."""
-        if self.area is None or saved:
-            return 0.0  # a durable checkpoint of this step already exists
-        if self.interval is not None and step % self.interval:
-            return 0.0
         t0 = time.perf_counter()
+        self.settle()
+        if self.area is None or saved:
+            return time.perf_counter() - t0  # (saved: a durable checkpoint of this step exists)
+        if self.interval is not None and step % self.interval:
+            return time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self._step_s = step_seconds or 0.0
         payload, meta = collect()
+        meta = {**meta, "run_dir": self.run_dir, "snapshot": True}
+        if self.taken and self._background:
+            self._start(step, payload, meta)
+            self._costs.append(time.perf_counter() - t1)
+            return time.perf_counter() - t0
+        # In the step's path: the first one (it sizes the slots and checks they fit), and all
+        # of them after a background one failed.
         if self.taken == 0 and not self._fits(payload):
             return time.perf_counter() - t0
-        if (
-            self.area.save(step, payload, {**meta, "run_dir": self.run_dir, "snapshot": True})
-            is None
-        ):
+        if self.area.save(step, payload, meta, group=self.group) is None:
             self.area = None  # memory ran out: said, and off on every rank (the store agreed)
             return time.perf_counter() - t0
-        self.seconds = time.perf_counter() - t0
         self.taken += 1
-        if self.interval is None:
-            self.interval = self._choose_interval(step_seconds or 0.0)
-        elif self.taken == 1 and self.rank == 0:
+        self.seconds = time.perf_counter() - t1
+        if self.taken == 1 and self.interval is not None and self.rank == 0:
             _log.say(log, "in-memory snapshot every %d step(s) (snapshot_every)", self.interval)
         return time.perf_counter() - t0
+
+    # ---- in the background ------------------------------------------------------------------
+
+    def _start(self, step: int, payload: Any, meta: dict[str, Any]) -> None:
+        owned = self._owned()
+        tensors: dict[str, torch.Tensor] = {}
+        watch = []
+        for key, t in payload.tensors.items():
+            if key in self._sync or not self._background or _ptr(t) not in owned:
+                # May change before the next optimizer step (a buffer, a fresh tensor the
+                # thread would race with nothing -- a clone is cheap for those): copied now.
+                t = t.detach().clone()
+            else:
+                watch.append((key, t, t._version))
+            tensors[key] = t
+        snap = Payload(
+            global_trees=payload.global_trees,
+            local_trees=payload.local_trees,
+            tensors=tensors,
+            kinds=payload.kinds,
+        )
+        job = _Job(step, snap, meta, watch)
+        if self._thread is None:
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(
+                target=self._work, name="unbroken-snapshot", daemon=True
+            )
+            self._thread.start()
+            # Before every optimizer step, any optimizer: ours are among them, and a check with
+            # nothing in flight is one attribute read.
+            self._hook = register_optimizer_step_pre_hook(self._before_step)
+            BEFORE_UPDATE.append(self._before_update)
+        self._job = job
+        assert self._queue is not None
+        self._queue.put(job)
+
+    def _owned(self) -> set[int]:
+        """Storage addresses of the tracked optimizers' parameters and state."""
+        out: set[int] = set()
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                out.update(_ptr(p) for p in group["params"])
+            for st in opt.state.values():
+                out.update(_ptr(v) for v in st.values() if isinstance(v, torch.Tensor))
+        for ema in self.emas:
+            out.update(_ptr(v) for v in ema.shadow.values())
+        out.discard(0)
+        return out
+
+    def _before_step(self, *_: Any) -> None:
+        job = self._job
+        if job is not None:
+            job.judge()
+
+    def _before_update(self) -> None:
+        job = self._job
+        if job is not None:
+            job.judge()
+
+    def _work(self) -> None:
+        assert self._queue is not None
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            area = self.area
+            try:
+                assert area is not None
+                area.slots.gate = _Gate(job)
+                path = area.save(
+                    job.step,
+                    job.payload,
+                    job.meta,
+                    group=self.group,
+                    torn=functools.partial(self._torn, job),
+                )
+                job.outcome = "committed" if path is not None else "off"
+                job.ungated = bool(path is not None and job.watch_count and not job.gated)
+            except SnapshotTorn:
+                job.outcome = "torn"
+            except BaseException as e:  # raised in the training's thread, at settle()
+                job.error = e
+            finally:
+                if area is not None:
+                    area.slots.gate = None
+                job.payload = None
+                job.copied.set()  # never reached the gate (failed first): nothing to wait for
+                job.done.set()
+
+    def _torn(self, job: _Job) -> bool:
+        """Whether the failed save failed because a copy was torn on any rank (collective)."""
+        group = self.area.group if self.area is not None and self.area.layout else self.group
+        return _dist.any_true(bool(job.changed), group, what="snapshot verdict")
+
+    def settle(self) -> bool:
+        """Wait until the snapshot in flight is committed (or given up); raise its error.
+        Called at the start of every ``run.step()`` (before the step is logged), before a
+        save, and at close. Whether there was one."""
+        job = self._job
+        if job is None:
+            return False
+        t0 = time.perf_counter()
+        job.judge()
+        job.done.wait()
+        self._job = None
+        waited = job.waited + time.perf_counter() - t0
+        if self._costs and len(self._costs) <= MEASURED:
+            self._costs[-1] += waited
+        if job.outcome == "committed":
+            self.taken += 1
+        elif job.outcome == "torn":
+            new = sorted(set(job.changed) - self._sync)
+            self._sync.update(job.changed)
+            log.info(
+                "unbroken: the in-memory snapshot of step %d was not kept: %s changed before "
+                "the next optimizer step; copied at the step's end from now on",
+                job.step,
+                ", ".join(new[:5]) or "a tensor on another rank",
+            )
+        elif job.outcome == "off":
+            self.area = None
+        if job.ungated:
+            # Not reachable through SnapshotArea.save (every data file goes through the slots);
+            # should a path bypass them, nothing could judge its copies: the step's path then.
+            log.warning("unbroken: in-memory snapshots are taken in the step's path from now on")
+            self._background = False
+        if job.error is not None:
+            self._background = False  # the next ones in the step's path, as before
+            raise job.error
+        if self.interval is None and len(self._costs) >= MEASURED and self.taken > MEASURED // 2:
+            self.interval = self._choose_interval()
+        return True
+
+    def close(self) -> None:
+        """Commit the snapshot in flight; stop the thread and the hook."""
+        try:
+            self.settle()
+        finally:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+                BEFORE_UPDATE.remove(self._before_update)
+            if self._thread is not None and self._queue is not None:
+                self._queue.put(None)
+                self._thread.join()
+                self._thread = None
+
+    # ---- sizes and interval -----------------------------------------------------------------
 
     def _fits(self, payload: Any) -> bool:
         assert self.area is not None
@@ -134,19 +391,21 @@ class Snapshots:
             self.area = None
         return bool(ok)
 
-    def _choose_interval(self, step_s: float) -> int:
-        cost = self.seconds or 0.0
-        every = _dist.broadcast_object(interval_for(cost, step_s))
+    def _choose_interval(self) -> int:
+        cost = statistics.median(self._costs)
+        step_s = self._step_s
+        every = int(_dist.broadcast_object(interval_for(cost, step_s)))
         if self.rank == 0:
             _log.say(
                 log,
-                "in-memory snapshot every %d step(s): one takes %.1f ms, a step %.1f ms (at most "
-                "2%% of the step time; snapshot_every in Run to choose)",
+                "in-memory snapshot every %d step(s): one costs the step %.2f ms, a step takes "
+                "%.1f ms (at most %g%% of the step time; snapshot_every in Run to choose)",
                 every,
                 cost * 1e3,
                 step_s * 1e3,
+                BUDGET * 100,
             )
-        return int(every)
+        return every
 
     def source_for(self, reader: CheckpointReader) -> Any:
         """The snapshot holding ``reader``'s very checkpoint, if this node has it: its tensors
@@ -158,3 +417,10 @@ class Snapshots:
             return reader
         log.info("unbroken: reading step %d from the in-memory snapshot", reader.step)
         return snap
+
+
+def _ptr(t: torch.Tensor) -> int:
+    try:
+        return int(t.data_ptr())
+    except RuntimeError:  # no storage (a meta tensor, a wrapper): copied at the step's end
+        return 0
