@@ -118,7 +118,7 @@ class RunConfig:
     # ---- snapshot ----
     snapshot_every: int | None = _option(None, "snapshot")
     """Under ``unbroken run``: an in-memory snapshot every N steps (0: none; None: as often as
-    keeps them under 2% of the step time), persisted by the supervisor if the process dies."""
+    keeps them under 1% of the step time), persisted by the supervisor if the process dies."""
     # ---- log ----
     metrics: bool = _option(True, "log", framework=True)
     """Write ``RUN/metrics.jsonl``."""
