@@ -92,7 +92,9 @@ else:
         t1, c1 = time.perf_counter(), time.process_time()
         times.append(t1 - t0); cpus.append(c1 - c0); t0, c0 = t1, c1
 state = sum(t.numel() * t.element_size() for t in run.registry.collect().tensors.values())
-json.dump({"times": times, "cpus": cpus, "state_bytes": state}, open(out, "w"))
+snaps = run._checkpointer.snapshots
+costs = list(getattr(snaps, "_costs", []) or [])  # what each cost the step (this branch on)
+json.dump({"times": times, "cpus": cpus, "state_bytes": state, "costs": costs}, open(out, "w"))
 """
 
 
@@ -143,7 +145,7 @@ def main() -> None:
                 for s, b in order[k:] + order[:k]:
                     runs[(s, b)].append(trainer(srcs[s], kind, bool(b), a.steps, a.every, tmp))
             for s in srcs:
-                cost, cpu, step = [], [], []
+                cost, cpu, step, path = [], [], [], []
                 for plain, snap in zip(runs[(s, False)], runs[(s, True)], strict=True):
                     wp = statistics.median(plain["times"][a.skip :])
                     ws = statistics.median(snap["times"][a.skip :])
@@ -152,6 +154,8 @@ def main() -> None:
                     cost.append(ws / wp - 1)
                     cpu.append(cs / cp - 1)
                     step.append(wp)
+                    if snap["costs"]:
+                        path.append(statistics.median(snap["costs"]) / wp)
                 rows.append(
                     {
                         "kind": kind,
@@ -161,6 +165,7 @@ def main() -> None:
                         "wall_cost_pct": [round(c * 100, 2) for c in cost],
                         "cpu_cost_pct": [round(c * 100, 2) for c in cpu],
                         "said": runs[(s, True)][-1]["said"],
+                        "path_cost_pct": [round(c * 100, 3) for c in path],
                     }
                 )
     when = time.strftime("%Y-%m-%d %H:%M")
@@ -179,6 +184,13 @@ def main() -> None:
     for r in rows:
         if r["said"]:
             print(f"{r['kind']} {r['src']}: {r['said']}")
+        if r["path_cost_pct"]:
+            p = r["path_cost_pct"]
+            print(
+                f"{r['kind']} {r['src']}: on the step's path (the snapshot's own timing, "
+                f"medians per repeat): {statistics.median(p):.3f}% "
+                f"({min(p):.3f}..{max(p):.3f})"
+            )
     print(
         json.dumps(
             {"bench": "snapshot_step", "when": when, "load": round(load, 2), "every": a.every}

@@ -72,7 +72,13 @@ class NodeLayout:
 
 
 def save_part(
-    store: Any, step: int, payload: Any, meta: dict[str, Any], layout: NodeLayout, group: Any
+    store: Any,
+    step: int,
+    payload: Any,
+    meta: dict[str, Any],
+    layout: NodeLayout,
+    group: Any,
+    before_commit: Any = None,
 ) -> str:
     """Commit this node's part of the snapshot of ``step`` in ``store`` (its area's
     CheckpointStore); collective over the job. ``group`` is a gloo group of every rank, for
@@ -95,6 +101,9 @@ def save_part(
         docs = list(_manifest.build(step, payload, files, meta, _dist.world_size()))
     state, manifest = _dist.broadcast_object(docs, what="snapshot manifest", group=group)
     err = None
+    if before_commit is not None:  # a snapshot in the background: the training's verdict
+        err = _attempt(before_commit)
+        store._agree(err, tmp, step, group, owner=layout.leader)
     if layout.leader:
         err = _attempt(lambda: store._install(tmp, final, state, manifest))
     store._agree(err, tmp, step, group, owner=layout.leader)

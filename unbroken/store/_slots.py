@@ -114,9 +114,9 @@ class Slots:
         self._names: set[str] = set()  # the data files this process (rank) writes
         self._stage = Stage()  # pinned host buffers for GPU tensors
         # A snapshot taken in the background (train/_snapshots.py): the writing thread calls
-        # ``gate.copied()`` once every tensor is in the slot (the training may go on changing
-        # them), hashes the slot, then ``gate.judged()``, which raises when a tensor changed
-        # under the copy (the snapshot is then not committed).
+        # ``gate.copied()`` once every tensor is in the slot (the training may change them
+        # from then on), then hashes the slot; the training's verdict on the copy comes before
+        # the commit (CheckpointStore.save's ``before_commit``).
         self.gate: Any = None
 
     def path(self, name: str, idx: int) -> str:
@@ -170,8 +170,6 @@ class Slots:
             if gate is not None:
                 gate.copied()
                 digests = _par.each(range(len(items)), digest, pos)
-        if gate is not None:
-            gate.judged()  # raises when a tensor changed under the copy (train/_snapshots.py)
         out = [
             (key, start, nbytes, digest)
             for (key, _), (start, nbytes, _, _), digest in zip(items, layout, digests, strict=True)

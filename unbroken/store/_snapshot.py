@@ -128,13 +128,17 @@ class SnapshotArea:
         meta: dict[str, Any],
         group: Any = None,
         torn: Callable[[], bool] | None = None,
+        before_commit: Callable[[], None] | None = None,
+        after_commit: Callable[[], None] | None = None,
     ) -> str | None:
         """Commit a snapshot of ``step``; its path, or None when it could not be written (a full
         ``/dev/shm``, say): :attr:`disabled` then says why, on every rank (the store agrees on
         failures), and snapshots are off. ``torn`` (a snapshot taken in the background): asked,
         on every rank, when the save failed -- True when it failed because a tensor changed
         under the copy on some rank; then :class:`SnapshotTorn` is raised and snapshots stay
-        on (the previous snapshot is still the newest)."""
+        on (the previous snapshot is still the newest). ``before_commit``: see
+        CheckpointStore.save; ``after_commit``: called once it is committed, before the
+        previous snapshot is deleted."""
         if self.disabled is not None:
             return None
         run_dir = meta.get("run_dir")
@@ -143,9 +147,11 @@ class SnapshotArea:
         try:
             with _storage.data_files_into(self.slots):
                 if self.layout is not None:
-                    path = save_part(self.store, step, payload, meta, self.layout, self.group)
+                    path = save_part(
+                        self.store, step, payload, meta, self.layout, self.group, before_commit
+                    )
                 else:
-                    path = self.store.save(step, payload, meta, group=group)
+                    path = self.store.save(step, payload, meta, group, before_commit)
         except BaseException as e:
             self.slots.aborted()  # not committed: the previous snapshot's slot stays in use
             if torn is not None and isinstance(e, Exception) and torn():
@@ -155,6 +161,8 @@ class SnapshotArea:
                 return None
             raise
         self.slots.committed()
+        if after_commit is not None:
+            after_commit()  # committed: what follows is housekeeping
         if self._leader():
             self.store.apply_retention(step)
             self._drop_newer(step)

@@ -124,11 +124,19 @@ class Checkpointer:
             self.lock.check()
 
     def settle_snapshot(self) -> float:
-        """Wait for the in-memory snapshot in flight to commit; the seconds waited."""
+        """Wait for the in-memory snapshot in flight to be done; the seconds waited."""
         if self.snapshots is None:
             return 0.0
         t0 = time.perf_counter()
         self.snapshots.settle()
+        return time.perf_counter() - t0
+
+    def snapshot_committed(self) -> float:
+        """Wait for the in-memory snapshot in flight to commit; the seconds waited."""
+        if self.snapshots is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.snapshots.committed()
         return time.perf_counter() - t0
 
     def after_step(

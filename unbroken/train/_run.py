@@ -196,7 +196,7 @@ class Run:
         self._checkpointer.check()  # a background save that failed is raised at the next step
         # The previous step's in-memory snapshot committed before this step is logged: a step
         # the log shows is never more than one step past the newest snapshot.
-        self._pace.exclude(self._checkpointer.settle_snapshot())
+        self._pace.exclude(self._checkpointer.snapshot_committed())
         dt = self._pace.tick()
         c.step += 1
         c.train_seconds += dt

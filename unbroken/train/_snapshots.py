@@ -50,6 +50,8 @@ BUDGET = 0.01
 """Snapshots may cost this fraction of the step time (on the step's path)."""
 MEASURED = 5
 """Snapshots taken every step, and timed, before ``snapshot_every=None`` picks the interval."""
+KEPT = 256
+"""Timings kept (bench/bench_snapshot_step.py reads them); no more: a run may be long."""
 
 Collect = Callable[[], tuple[Any, dict[str, Any]]]
 """Returns (payload, meta) of the state as it is now: what a checkpoint of this step holds."""
@@ -85,14 +87,16 @@ class _Job:
         self.watch: list[tuple[str, torch.Tensor, int]] = watch  # (key, live tensor, version)
         self.copied = threading.Event()  # every watched tensor is in the slot (or never will be)
         self.judged = threading.Event()
-        self.done = threading.Event()
+        self.reached = threading.Event()  # committed, or given up
+        self.done = threading.Event()  # and the previous snapshot deleted
         self.gated = False
         self.ungated = False  # committed without passing the gate: a write path not through it
         self.watch_count = len(watch)
         self.changed: list[str] = []
         self.outcome = ""  # "committed", "torn", "off"
         self.error: BaseException | None = None
-        self.waited = 0.0  # seconds the training waited for it
+        self.waited = 0.0  # seconds the training waited for it (before its optimizer step)
+        self.cost = 0.0  # seconds it took the step that took it
 
     def copied_all(self) -> None:
         """The thread's side: every tensor is in the slot."""
@@ -101,6 +105,7 @@ class _Job:
     def gate_judged(self) -> None:
         """The thread's side, before the commit: wait for the training's verdict."""
         self.gated = True
+        self.copied.set()  # every file is written (a rank with no tensors copied none)
         self.judged.wait()
         if self.changed:
             raise _Changed(f"changed during the snapshot's copy: {', '.join(self.changed[:5])}")
@@ -126,7 +131,7 @@ class _Gate:
     """What the slots call in the snapshot's thread (store/_slots.py)."""
 
     def __init__(self, job: _Job) -> None:
-        self.copied, self.judged = job.copied_all, job.gate_judged
+        self.copied = job.copied_all
 
 
 class Snapshots:
@@ -211,8 +216,8 @@ class Snapshots:
         payload, meta = collect()
         meta = {**meta, "run_dir": self.run_dir, "snapshot": True}
         if self.taken and self._background:
-            self._start(step, payload, meta)
-            self._costs.append(time.perf_counter() - t1)
+            job = self._start(step, payload, meta)
+            job.cost = time.perf_counter() - t1
             return time.perf_counter() - t0
         # In the step's path: the first one (it sizes the slots and checks they fit), and all
         # of them after a background one failed.
@@ -229,7 +234,7 @@ class Snapshots:
 
     # ---- in the background ------------------------------------------------------------------
 
-    def _start(self, step: int, payload: Any, meta: dict[str, Any]) -> None:
+    def _start(self, step: int, payload: Any, meta: dict[str, Any]) -> _Job:
         owned = self._owned()
         tensors: dict[str, torch.Tensor] = {}
         watch = []
@@ -261,6 +266,7 @@ class Snapshots:
         self._job = job
         assert self._queue is not None
         self._queue.put(job)
+        return job
 
     def _owned(self) -> set[int]:
         """Storage addresses of the tracked optimizers' parameters and state."""
@@ -301,6 +307,8 @@ class Snapshots:
                     job.meta,
                     group=self.group,
                     torn=functools.partial(self._torn, job),
+                    before_commit=job.gate_judged,
+                    after_commit=job.reached.set,
                 )
                 job.outcome = "committed" if path is not None else "off"
                 job.ungated = bool(path is not None and job.watch_count and not job.gated)
@@ -313,6 +321,7 @@ class Snapshots:
                     area.slots.gate = None
                 job.payload = None
                 job.copied.set()  # never reached the gate (failed first): nothing to wait for
+                job.reached.set()
                 job.done.set()
 
     def _torn(self, job: _Job) -> bool:
@@ -320,10 +329,21 @@ class Snapshots:
         group = self.area.group if self.area is not None and self.area.layout else self.group
         return _dist.any_true(bool(job.changed), group, what="snapshot verdict")
 
+    def committed(self) -> None:
+        """Wait until the snapshot in flight is committed (or given up). Called at the start
+        of every ``run.step()``, before the step is logged: a step the log shows is never more
+        than one step past the newest snapshot."""
+        job = self._job
+        if job is None:
+            return
+        job.judge()
+        t0 = time.perf_counter()
+        job.reached.wait()
+        job.waited += time.perf_counter() - t0
+
     def settle(self) -> bool:
-        """Wait until the snapshot in flight is committed (or given up); raise its error.
-        Called at the start of every ``run.step()`` (before the step is logged), before a
-        save, and at close. Whether there was one."""
+        """Wait until the snapshot in flight is done; raise its error. Called before the next
+        one is taken, before a save, and at close. Whether there was one."""
         job = self._job
         if job is None:
             return False
@@ -331,9 +351,8 @@ class Snapshots:
         job.judge()
         job.done.wait()
         self._job = None
-        waited = job.waited + time.perf_counter() - t0
-        if self._costs and len(self._costs) <= MEASURED:
-            self._costs[-1] += waited
+        if len(self._costs) < KEPT:
+            self._costs.append(job.cost + job.waited + time.perf_counter() - t0)
         if job.outcome == "committed":
             self.taken += 1
         elif job.outcome == "torn":
@@ -355,7 +374,7 @@ class Snapshots:
         if job.error is not None:
             self._background = False  # the next ones in the step's path, as before
             raise job.error
-        if self.interval is None and len(self._costs) >= MEASURED and self.taken > MEASURED // 2:
+        if self.interval is None and len(self._costs) >= MEASURED:
             self.interval = self._choose_interval()
         return True
 
@@ -392,7 +411,7 @@ class Snapshots:
         return bool(ok)
 
     def _choose_interval(self) -> int:
-        cost = statistics.median(self._costs)
+        cost = statistics.median(self._costs[:MEASURED])
         step_s = self._step_s
         every = int(_dist.broadcast_object(interval_for(cost, step_s)))
         if self.rank == 0:
