@@ -36,9 +36,9 @@ def test_kill_9_under_the_defaults_redoes_at_most_one_step(tmp_path: Path) -> No
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "unbroken", "run", "--max-retries", "10", "--backoff", "0"]
-    # 100 ms steps (a sleep): the time a step of real work takes, so the default interval is
+    # 200 ms steps (a sleep): the time a step of real work takes, so the default interval is
     # judged against a step that a snapshot can hide in, as on a real run.
-    cmd += ["--", sys.executable, str(SCRIPT), *ARGS, "--run-dir", str(run), "--step-sleep", "0.1"]
+    cmd += ["--", sys.executable, str(SCRIPT), *ARGS, "--run-dir", str(run), "--step-sleep", "0.2"]
     sup = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     reached: list[int] = []
     child = None

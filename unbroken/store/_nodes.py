@@ -102,7 +102,7 @@ def save_part(
     state, manifest = _dist.broadcast_object(docs, what="snapshot manifest", group=group)
     err = None
     if before_commit is not None:  # a snapshot in the background: the training's verdict
-        err = _attempt(before_commit)
+        err = _attempt(before_commit)  # (never renames here: several processes)
         store._agree(err, tmp, step, group, owner=layout.leader)
     if layout.leader:
         err = _attempt(lambda: store._install(tmp, final, state, manifest))

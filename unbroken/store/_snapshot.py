@@ -128,7 +128,7 @@ class SnapshotArea:
         meta: dict[str, Any],
         group: Any = None,
         torn: Callable[[], bool] | None = None,
-        before_commit: Callable[[], None] | None = None,
+        before_commit: Callable[[], bool] | None = None,
         after_commit: Callable[[], None] | None = None,
     ) -> str | None:
         """Commit a snapshot of ``step``; its path, or None when it could not be written (a full

@@ -235,13 +235,14 @@ class CheckpointStore:
         payload: Payload,
         meta: dict[str, Any],
         group: Any = None,
-        before_commit: Callable[[], None] | None = None,
+        before_commit: Callable[[], bool] | None = None,
     ) -> str:
         """Write and commit a checkpoint of ``step`` (collective over ``group``); returns its
         path. A background save passes its own process group, so that its collectives never
         interleave with the training's. ``before_commit`` (an in-memory snapshot taken in the
         background): called on every rank once every file is written, before the rename that
-        commits; it raises to abort (on every rank, agreed)."""
+        commits; it raises to abort (on every rank, agreed), and returns True when its caller
+        renamed the directory into place itself (:meth:`rename_into_place`, one process)."""
         from .. import _dist
 
         rank, world = _dist.rank(), _dist.world_size()
@@ -266,10 +267,11 @@ class CheckpointStore:
             files = {k: v for part in gathered for k, v in part.items()}
             state, manifest = _manifest.build(step, payload, files, meta, world)
             err = _attempt(lambda: self._write_commit_files(tmp, state, manifest))
-        err = err or _attempt(before_commit)
+        renamed: list[bool] = []
+        err = err or _attempt(lambda: renamed.append(before_commit()))
         self._agree(err, tmp, step, group)
-        if rank == 0:
-            err = _attempt(lambda: self._rename_into_place(tmp, final, step))
+        if rank == 0 and not (renamed and renamed[0]):
+            err = _attempt(lambda: self.rename_into_place(step))
         self._agree(err, tmp, step, group)
         return final
 
@@ -300,6 +302,11 @@ class CheckpointStore:
         """state.json, then the manifest (last, fsynced), then the rename: the commit."""
         self._write_commit_files(tmp, state_doc, manifest)
         self._rename_into_place(tmp, final, int(manifest["step"]))
+
+    def rename_into_place(self, step: int) -> None:
+        """The commit of a checkpoint whose files are all written (see ``before_commit``)."""
+        tmp = os.path.join(self.root, _layout.tmp_name(step))
+        self._rename_into_place(tmp, os.path.join(self.root, _layout.step_name(step)), step)
 
     def _write_commit_files(
         self, tmp: str, state_doc: dict[str, Any], manifest: dict[str, Any]

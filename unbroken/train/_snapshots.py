@@ -87,6 +87,11 @@ class _Job:
         self.watch: list[tuple[str, torch.Tensor, int]] = watch  # (key, live tensor, version)
         self.copied = threading.Event()  # every watched tensor is in the slot (or never will be)
         self.judged = threading.Event()
+        self.lock = threading.Lock()
+        self.commit: Callable[[], None] | None = None  # one process: the rename, for judge()
+        self.ready = False  # every file written, waiting for the verdict
+        self.renamed = False
+        self.commit_error: BaseException | None = None
         self.reached = threading.Event()  # committed, or given up
         self.done = threading.Event()  # and the previous snapshot deleted
         self.gated = False
@@ -102,13 +107,21 @@ class _Job:
         """The thread's side: every tensor is in the slot."""
         self.copied.set()
 
-    def gate_judged(self) -> None:
-        """The thread's side, before the commit: wait for the training's verdict."""
-        self.gated = True
-        self.copied.set()  # every file is written (a rank with no tensors copied none)
+    def gate_judged(self) -> bool:
+        """The thread's side, before the commit: wait for the training's verdict. In one
+        process, once every file is written the training renames the snapshot into place
+        itself when it judges (:meth:`judge`): the commit then waits for no thread to wake.
+        True when it did."""
+        with self.lock:
+            self.gated = True
+            self.copied.set()  # every file is written (a rank with no tensors copied none)
+            self.ready = self.commit is not None
         self.judged.wait()
         if self.changed:
             raise _Changed(f"changed during the snapshot's copy: {', '.join(self.changed[:5])}")
+        if self.commit_error is not None:
+            raise self.commit_error
+        return self.renamed
 
     def judge(self) -> None:
         """The training's side, where it changes none of the tensors (before an optimizer
@@ -121,10 +134,22 @@ class _Job:
             return
         t0 = time.perf_counter()
         self.copied.wait()
-        self.changed = [k for k, t, v in self.watch if t._version != v]
-        self.watch = []
-        self.judged.set()
+        # Waiting for the thread counts as wall time; the checks and the rename as this
+        # thread's CPU time (see after_step: not the other processes of a busy node).
         self.waited += time.perf_counter() - t0
+        t0 = time.thread_time()
+        with self.lock:
+            self.changed = [k for k, t, v in self.watch if t._version != v]
+            self.watch = []
+            if self.ready and not self.changed and self.commit is not None:
+                try:
+                    self.commit()  # a rename: the snapshot is committed
+                    self.renamed = True
+                    self.reached.set()
+                except BaseException as e:  # raised in the thread, which reports it
+                    self.commit_error = e
+            self.judged.set()
+        self.waited += time.thread_time() - t0
 
 
 class _Gate:
@@ -212,12 +237,16 @@ class Snapshots:
         if self.interval is not None and step % self.interval:
             return time.perf_counter() - t0
         t1 = time.perf_counter()
+        # The training thread's own time in the snapshot, as CPU time: what the snapshot costs
+        # the step, not the other processes that the scheduler runs meanwhile on a busy node
+        # (the waits for the snapshot's thread are counted as wall time, in settle()).
+        c1 = time.thread_time()
         self._step_s = step_seconds or 0.0
         payload, meta = collect()
         meta = {**meta, "run_dir": self.run_dir, "snapshot": True}
         if self.taken and self._background:
             job = self._start(step, payload, meta)
-            job.cost = time.perf_counter() - t1
+            job.cost = time.thread_time() - c1
             return time.perf_counter() - t0
         # In the step's path: the first one (it sizes the slots and checks they fit), and all
         # of them after a background one failed.
@@ -253,6 +282,9 @@ class Snapshots:
             kinds=payload.kinds,
         )
         job = _Job(step, snap, meta, watch)
+        assert self.area is not None
+        if self.area.layout is None and not _dist.active():
+            job.commit = functools.partial(self.area.store.rename_into_place, step)
         if self._thread is None:
             self._queue = queue.SimpleQueue()
             self._thread = threading.Thread(
@@ -347,8 +379,8 @@ class Snapshots:
         job = self._job
         if job is None:
             return False
-        t0 = time.perf_counter()
         job.judge()
+        t0 = time.perf_counter()
         job.done.wait()
         self._job = None
         if len(self._costs) < KEPT:
