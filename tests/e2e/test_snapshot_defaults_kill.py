@@ -72,7 +72,9 @@ def test_kill_9_under_the_defaults_redoes_at_most_one_step(tmp_path: Path) -> No
     kept = [int(s) for s in re.findall(r"kept the in-memory snapshot of step (\d+)", text)]
     resumes = resume_steps(run)
     assert len(resumes) == len(moments), (resumes, reached, text[-3000:])
-    assert kept == resumes, (kept, resumes)  # each relaunch resumed from a kept snapshot
+    # Each relaunch resumed from a snapshot the supervisor kept (it says so twice: when it
+    # keeps it and in the attempt's summary).
+    assert sorted(set(kept)) == resumes, (kept, resumes)
     for last, resumed in zip(reached, resumes, strict=True):
         assert last - 1 <= resumed <= last, (reached, resumes)
     assert_identical(ref, run)
