@@ -234,7 +234,7 @@ def isolated(n: int = 300) -> dict[str, dict[str, float]]:
     """The loader's seeding alone: ``SampleSeeder.fetch`` of 64 samples against a list
     comprehension of ``dataset[i]``, watched and with all three streams seeded, alternating;
     microseconds added a sample, per kind of noise."""
-    from unbroken.data._streams import SampleSeeder
+    from unbroken.data._global_streams import SampleSeeder
 
     keys = [(0, i) for i in range(64)]
     out = {}

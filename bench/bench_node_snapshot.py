@@ -10,7 +10,7 @@ with a snapshot every step, in three set-ups, interleaved, ``--repeats`` times e
 - ``none``: no snapshot area (durable saves only): the loop's own cost;
 - ``one-node``: both ranks share one area, as under one supervisor: whole snapshots;
 - ``two-nodes``: each rank has its own area, as two nodes under two supervisors: each area
-  commits its rank's part and a copy of the other rank's files (store/_nodes.py).
+  commits its rank's part and a copy of the other rank's files (store/snapshot/_nodes.py).
 
 Each rank times every step (``--pad-ms`` adds a sleep to each: the rest of a longer step whose
 compute is elsewhere, a GPU's, leaving the CPU free) and every ``run.step()`` call; the cost of

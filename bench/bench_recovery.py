@@ -69,7 +69,7 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-WAITING = "standby-waiting"  # a warm standby's name while it waits (train/_standby.py)
+WAITING = "standby-waiting"  # a warm standby's name while it waits (train/_as_standby.py)
 
 
 def _attempt(pid: int) -> int:
@@ -91,13 +91,13 @@ def _comm(pid: int) -> str:
 
 
 def _launches(pid: int) -> list[int]:
-    """The supervisor's children but its persister (cli/_persister.py), by attempt: the
+    """The supervisor's children but its persister (supervise/_persister.py), by attempt: the
     trainer, then its warm standby (started with the next attempt's environment)."""
     out = []
     for c in _children(pid):
         try:
             with open(f"/proc/{c}/cmdline", "rb") as f:
-                if b"unbroken.cli._persister" in f.read():
+                if b"unbroken.supervise._persister" in f.read():
                     continue
         except OSError:
             continue

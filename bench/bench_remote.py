@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import unbroken  # noqa: E402
 from tests._s3server import S3Server, env_for, free_port, make_bucket  # noqa: E402
 from unbroken.store import CheckpointReader  # noqa: E402
-from unbroken.store._remote import RemoteStore  # noqa: E402
+from unbroken.store.remote._bucket import RemoteStore  # noqa: E402
 
 
 class WeedServer:

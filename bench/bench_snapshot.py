@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_checkpoint import build_state, drop_caches, registry_of, rotated, state_bytes  # noqa: E402
 
 from unbroken.store import CheckpointReader, CheckpointStore  # noqa: E402
-from unbroken.store._snapshot import SnapshotArea  # noqa: E402
+from unbroken.store.snapshot._area import SnapshotArea  # noqa: E402
 from unbroken.train._snapshots import interval_for  # noqa: E402
 
 

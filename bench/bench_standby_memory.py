@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from unbroken._tree import descendants  # noqa: E402
+from unbroken.process._tree import descendants  # noqa: E402
 
 SCRIPT = """
 import sys, torch, unbroken

@@ -3,8 +3,9 @@
     .venv/bin/python bench/bench_stop_exit.py [--repeats 5]
 
 Two variants, interleaved in every repeat: ``quick`` (the default: after a stop the process
-skips the interpreter's final collections and the native destructors, unbroken/_quick_exit.py)
-and ``off`` (``UNBROKEN_QUICK_EXIT=0``: the interpreter's whole finalization).
+skips the interpreter's final collections and the native destructors,
+unbroken/process/_quick_exit.py) and ``off`` (``UNBROKEN_QUICK_EXIT=0``: the interpreter's whole
+finalization).
 
 examples/char_lm.py (its defaults, ``--save-every 1000``) is started through a small wrapper
 that records, in the trainer, when ``Run._halt`` (the stop, after its save) begins, when the

@@ -43,8 +43,8 @@ sys.path.insert(0, str(ROOT))
 import unbroken  # noqa: E402
 from unbroken.state import Registry  # noqa: E402
 from unbroken.store import CheckpointReader, CheckpointStore  # noqa: E402
-from unbroken.store._slots import Slots  # noqa: E402
-from unbroken.store._staging import Stage  # noqa: E402
+from unbroken.store._host_buffers import Stage  # noqa: E402
+from unbroken.store.snapshot._slots import Slots  # noqa: E402
 
 CHUNK = 256 << 20  # bytes a tensor of the synthetic states
 

@@ -60,9 +60,9 @@ def _cmdline(pid: int) -> bytes:
 
 
 def is_persister(pid: int) -> bool:
-    """Whether ``pid`` is an ``unbroken run`` supervisor's persister process (cli/_persister.py),
-    the supervisor's child beside the command it runs."""
-    return b"unbroken.cli._persister" in _cmdline(pid)
+    """Whether ``pid`` is an ``unbroken run`` supervisor's persister process
+    (supervise/_persister.py), the supervisor's child beside the command it runs."""
+    return b"unbroken.supervise._persister" in _cmdline(pid)
 
 
 def attempt_of(pid: int) -> int | None:
@@ -82,13 +82,13 @@ def attempt_of(pid: int) -> int | None:
 
 def launches(pid: int) -> list[int]:
     """Supervisor ``pid``'s children but its persister: the command it runs and, beside it,
-    its warm standby (cli/_standby.py), ordered by attempt (unreadable ones last). A child
+    its warm standby (supervise/_standby.py), ordered by attempt (unreadable ones last). A child
     whose command line reads empty is exiting (a zombie has none): it is no launch, and it may
     well be the persister the supervisor is closing."""
     kids = []
     for p in children(pid):
         cmdline = _cmdline(p)
-        if cmdline and b"unbroken.cli._persister" not in cmdline:
+        if cmdline and b"unbroken.supervise._persister" not in cmdline:
             kids.append(p)
     return sorted(kids, key=lambda p: (attempt_of(p) or 1 << 30, p))
 
@@ -108,7 +108,7 @@ def tree_report(pid: int) -> str:
     """``pid`` and its descendants, one line each -- state, kernel wait channel, scheduling
     policy of every thread (5: SCHED_IDLE), command line -- for the message of a test that
     timed out: where a hung job hangs."""
-    from unbroken._tree import descendants
+    from unbroken.process._tree import descendants
 
     lines = []
     for p in [pid, *descendants(pid)]:

@@ -122,6 +122,6 @@ def lose_node(proc: subprocess.Popen[str]) -> set[str]:
     areas = snapshot_areas(proc)
     signal_nodes([proc], signal.SIGKILL)
     proc.wait(timeout=tr.HANG)
-    for area in areas:  # and the channel beside it (unbroken/_shm.py): all of its memory
+    for area in areas:  # and the channel beside it (unbroken/process/_shm.py): all of its memory
         subprocess.run(["rm", "-rf", area, area + ".run"], check=True)
     return areas

@@ -17,7 +17,7 @@ import torch
 import torch.utils.data as tud
 
 import unbroken
-from unbroken.data import _streams
+from unbroken.data import _global_streams
 
 ALL = ("python", "numpy", "torch")
 
@@ -110,14 +110,14 @@ def test_numpy_state_put_back_from_its_bytes():
     np.random.seed(11)
     np.random.random(5)
     want = np.random.get_state()
-    saved = _streams._np_save()
+    saved = _global_streams._np_save()
     np.random.seed(12)
-    _streams._np_put(saved)
+    _global_streams._np_put(saved)
     got = np.random.get_state()
     assert got[0] == want[0] and got[2:] == want[2:] and np.array_equal(got[1], want[1])
-    assert not _streams._np_moved(saved)
+    assert not _global_streams._np_moved(saved)
     np.random.random()
-    assert _streams._np_moved(saved)
+    assert _global_streams._np_moved(saved)
 
 
 def test_unseen_streams_are_not_seeded():

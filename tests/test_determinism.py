@@ -13,8 +13,8 @@ import torch
 
 import unbroken
 from tests.golden import ROOT
-from unbroken import _determinism
-from unbroken._determinism import DeterminismSettings, problems
+from unbroken.train import _determinism
+from unbroken.train._determinism import DeterminismSettings, problems
 
 GOOD = DeterminismSettings(
     cuda=True,
@@ -84,7 +84,7 @@ def test_make_deterministic_sets_what_the_audit_checks():
     """In a fresh process (it changes process-wide torch settings)."""
     code = (
         "import os, unbroken, torch\n"
-        "from unbroken._determinism import read_settings, problems\n"
+        "from unbroken.train._determinism import read_settings, problems\n"
         "os.environ.pop('CUBLAS_WORKSPACE_CONFIG', None)\n"
         "torch.backends.cudnn.benchmark = True\n"
         "unbroken.make_deterministic()\n"

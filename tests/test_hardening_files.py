@@ -22,7 +22,7 @@ import torch
 import unbroken
 from tests._store_helpers import REPO, deadline
 from unbroken import LockError, UnsafeCheckpointError
-from unbroken._logfile import last_logged_step
+from unbroken.process._logfile import last_logged_step
 from unbroken.store import CheckpointStore, WriterLock
 
 SECRET = b"precious bytes outside the run\n" * 10

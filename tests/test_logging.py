@@ -132,4 +132,6 @@ def test_the_library_never_prints_outside_the_cli() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
                 found.append(f"{rel}:{node.lineno}")
-    assert found == [], f"print() in the library (log through unbroken._log instead): {found}"
+    assert found == [], (
+        f"print() in the library (log through unbroken.process._log instead): {found}"
+    )

@@ -87,7 +87,7 @@ def _lose_node_1(job: nodes.Job, at: int) -> tuple[int, str]:
 @pytest.mark.parametrize("relaunch", ["two-nodes", "one-node"])
 def test_a_lost_node_loses_at_most_one_step(tmp_path: Path, reference: Path, relaunch: str) -> None:
     """Each node keeps its rank's part of every snapshot and a copy of the other node's
-    (store/_nodes.py). Node 1 is lost at a drawn step, with no durable save before the end:
+    (store/snapshot/_nodes.py). Node 1 is lost at a drawn step, with no durable save before the end:
     node 0's supervisor completes the newest snapshot from its own memory alone, commits it
     into the run directory, and the relaunch -- on two nodes, or on one with both ranks --
     resumes at most one step behind the last logged step and ends bitwise equal."""
@@ -211,7 +211,7 @@ def test_three_nodes_the_survivors_merge_the_lost_nodes_part(tmp_path: Path) -> 
     ],
 )
 def test_one_node_requeues_without_a_claim(tmp_path: Path, env: dict[str, str], mine: bool) -> None:
-    from unbroken.cli._supervise import claim_requeue
+    from unbroken.supervise._supervisor import claim_requeue
 
     assert claim_requeue(str(tmp_path), "7", env) == (mine, "", "")
     assert list(tmp_path.iterdir()) == []
@@ -221,7 +221,7 @@ def test_the_first_node_to_claim_a_stop_requeues_it(tmp_path: Path) -> None:
     """Several nodes: whichever node's supervisor claims the stop first requeues (node 2 here,
     with node 0 lost or late); every other node learns who did. The next allocation of the
     requeued job (SLURM_RESTART_COUNT) is a new stop with a claim of its own."""
-    from unbroken.cli._supervise import REQUEUE_CLAIM, claim_requeue
+    from unbroken.supervise._supervisor import REQUEUE_CLAIM, claim_requeue
 
     def env(node: int, restart: str | None = None) -> dict[str, str]:
         e = {"SLURM_NNODES": "3", "SLURM_NODEID": str(node)}
@@ -240,7 +240,7 @@ def test_the_first_node_to_claim_a_stop_requeues_it(tmp_path: Path) -> None:
 
 def test_without_a_run_directory_node_0_requeues(tmp_path: Path) -> None:
     """No Run told a run directory (or the claim cannot be written): node 0 requeues, said."""
-    from unbroken.cli._supervise import claim_requeue
+    from unbroken.supervise._supervisor import claim_requeue
 
     env = {"SLURM_NNODES": "2"}
     assert claim_requeue(None, "7", env | {"SLURM_NODEID": "0"})[0] is True

@@ -1,10 +1,10 @@
-"""Who keeps whose part of a snapshot in a job over several nodes (store/_nodes.py)."""
+"""Who keeps whose part of a snapshot in a job over several nodes (store/snapshot/_nodes.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from unbroken.store._nodes import NodeLayout
+from unbroken.store.snapshot._nodes import NodeLayout
 
 
 def _all(areas: list[str]) -> list[NodeLayout | None]:

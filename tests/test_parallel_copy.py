@@ -21,7 +21,7 @@ from unbroken import CorruptCheckpointError
 from unbroken.store import AsyncSaver, CheckpointReader, CheckpointStore, _format, _par, _storage
 from unbroken.store._format import Chunk
 from unbroken.store._manifest import dumps
-from unbroken.store._snapshot import SnapshotArea
+from unbroken.store.snapshot._area import SnapshotArea
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from unbroken.cli._policy import (
+from unbroken.supervise._policy import (
     Action,
     End,
     Failure,

@@ -1,4 +1,4 @@
-"""The quick exit after a stop (unbroken/_quick_exit.py): a stopped process skips the
+"""The quick exit after a stop (unbroken/process/_quick_exit.py): a stopped process skips the
 interpreter's final collections and the native destructors, and loses nothing by it.
 
 A script, in its own process group, is stopped by a SIGTERM to the whole group (as a scheduler

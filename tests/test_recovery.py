@@ -97,7 +97,7 @@ def test_the_persister_outlives_a_stop_signal_to_every_process_of_the_job(
     """A scheduler signals every process of a job, the supervisor's persister too, at the very
     moment a crashed trainer may leave a snapshot to persist: the persister ignores stop
     signals (the supervisor decides, and closing its stdin ends it)."""
-    from unbroken.cli._persister import Persister
+    from unbroken.supervise._persister import Persister
 
     p = Persister()
     p.start()

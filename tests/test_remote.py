@@ -23,8 +23,8 @@ import torch
 import unbroken
 from unbroken import CorruptCheckpointError, RemoteStoreError
 from unbroken.store import CheckpointStore, Retention
-from unbroken.store._remote import RemoteStore
-from unbroken.store._s3 import PART_BYTES
+from unbroken.store.remote._bucket import RemoteStore
+from unbroken.store.remote._s3 import PART_BYTES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

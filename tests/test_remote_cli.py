@@ -24,7 +24,7 @@ from tests.test_remote import train
 from tests.test_store_unsafe import CASES, REFUSED
 from unbroken.cli import main
 from unbroken.store import CheckpointStore
-from unbroken.store._remote import RemoteStore
+from unbroken.store.remote._bucket import RemoteStore
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REMOTE_CASES = [n for n in CASES if not n.startswith(("fifo-", "symlink-"))]

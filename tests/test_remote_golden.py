@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.golden import ROOT, assert_identical, launch
-from unbroken.store._remote import RemoteStore
+from unbroken.store.remote._bucket import RemoteStore
 
 CHAR_LM = ROOT / "examples" / "char_lm.py"
 ARGS = ["--steps", "12", "--save-every", "3", "--workers", "0", "--context", "32"]

@@ -1,7 +1,7 @@
 """How a remote load and fetch cut a checkpoint into ranged GETs, and what they refuse.
 
 A load cuts a data file's wanted bytes into equal ranges wherever chunks begin and end
-(store/_remote_reader.ranges): a GET feeds the end of one tensor and the start of the next, and
+(store/_object_reader.ranges): a GET feeds the end of one tensor and the start of the next, and
 a tensor split across GETs is hashed when its last piece lands. A fetch hashes every byte as it
 downloads it and commits only when every checksum is the manifest's. Here the part size is
 shrunk to a few hundred bytes after the upload, so that a small checkpoint crosses every case
@@ -19,16 +19,17 @@ import torch
 
 import unbroken
 from unbroken import CorruptCheckpointError, RemoteStoreError
-from unbroken.store import CheckpointReader, _remote_reader, _s3
-from unbroken.store._remote import RemoteStore
-from unbroken.store._remote_reader import ranges
+from unbroken.store import CheckpointReader
+from unbroken.store.remote import _object_reader, _s3
+from unbroken.store.remote._bucket import RemoteStore
+from unbroken.store.remote._object_reader import ranges
 
 
 @pytest.fixture
 def small_parts(monkeypatch):
-    def use(part: int, gap: int = _remote_reader.MAX_GAP) -> None:
+    def use(part: int, gap: int = _object_reader.MAX_GAP) -> None:
         monkeypatch.setattr(_s3, "PART_BYTES", part)
-        monkeypatch.setattr(_remote_reader, "MAX_GAP", gap)
+        monkeypatch.setattr(_object_reader, "MAX_GAP", gap)
 
     return use
 

@@ -35,8 +35,8 @@ from tests.golden import (
     trainers,
 )
 from tests.test_standby import _lift, _release, _standby, _until
-from unbroken._tree import alive
-from unbroken.cli import _warm
+from unbroken.process._tree import alive
+from unbroken.supervise import _warm
 
 SCRIPT = ROOT / "tests" / "scripts" / "setup_effects.py"
 STEPS = 30
@@ -455,7 +455,7 @@ def test_a_failure_is_named_only_when_every_rank_is_accounted_for(tmp_path: Path
     lost connection with an exception of its own: that exception is not the job's failure (a
     run of such kills with progress must never be given up on). A failure is named when every
     rank left a crash record or a stop marker."""
-    from unbroken import _stops
+    from unbroken.process import _stops
 
     crash = {"type": "RuntimeError", "file": "/x/dist.py", "line": 7, "function": "f"}
     one = tmp_path / "one"
@@ -485,7 +485,7 @@ def test_a_fresh_launch_reads_nothing_a_dead_standby_left(tmp_path: Path) -> Non
     """A standby that died before its promotion (a crash in its set-up, a stop) left its crash
     record or stop marker in the stop directory of the attempt it was for; the fresh launch of
     that attempt must not be judged by them."""
-    from unbroken.cli import _job
+    from unbroken.supervise import _job
 
     stale = tmp_path / "attempt-2"
     _record(stale, "crash-00000.json", rank=0, world_size=1, type="NameError")

@@ -19,7 +19,7 @@ import torch
 import unbroken
 from tests._store_helpers import REPO, assert_same, make_registry, restore, save, snapshot, train
 from unbroken.store import CheckpointStore
-from unbroken.store._snapshot import SnapshotArea, persist
+from unbroken.store.snapshot._area import SnapshotArea, persist
 
 CHILD = textwrap.dedent(
     """
@@ -28,7 +28,7 @@ CHILD = textwrap.dedent(
     from tests._store_helpers import make_registry, train
     from tests import faults
     from unbroken.store import _fsops
-    from unbroken.store._snapshot import SnapshotArea
+    from unbroken.store.snapshot._area import SnapshotArea
     area = SnapshotArea(sys.argv[1])
     reg = make_registry()
     train(reg, 1)

@@ -24,7 +24,7 @@ CHILD = textwrap.dedent(
     import os, sys, torch
     sys.path.insert(0, {repo!r})
     from unbroken.state import Registry
-    from unbroken.store._snapshot import SnapshotArea, persist
+    from unbroken.store.snapshot._area import SnapshotArea, persist
     base, run = sys.argv[1], sys.argv[2]
     area = SnapshotArea(os.path.join(base, "area"))
     box = torch.nn.Module()

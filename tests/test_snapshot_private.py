@@ -30,9 +30,10 @@ import pytest
 from tests._store_helpers import REPO, make_registry, read_manifest_raw, train, write_manifest_raw
 from tests._users import as_eve, eve, in_private_shm, need_root, tmpfs
 from tests.golden import ROOT, launch
-from unbroken import _shm, read_metrics
+from unbroken import read_metrics
+from unbroken.process import _shm
 from unbroken.store import CheckpointStore
-from unbroken.store._snapshot import SnapshotArea, SnapshotsOff, persist_own, reap_stale
+from unbroken.store.snapshot._area import SnapshotArea, SnapshotsOff, persist_own, reap_stale
 
 TOY = ROOT / "tests" / "scripts" / "toy_train.py"
 VICTIM_ARGS = ["--steps", "3", "--save-every", "1000", "--workers", "0", "--snapshot-every", "1"]
@@ -251,7 +252,7 @@ SUPERVISOR = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     from tests._store_helpers import make_registry, train
     from unbroken import _shm
-    from unbroken.store._snapshot import SnapshotArea
+    from unbroken.store.snapshot._area import SnapshotArea
     area = _shm.SupervisorArea.create(sys.argv[1])
     snaps = SnapshotArea(area.path)
     reg = make_registry()

@@ -1,5 +1,5 @@
-"""The snapshot area's two fixed slots (store/_slots.py): overwritten in place, never the one
-the newest snapshot links.
+"""The snapshot area's two fixed slots (store/snapshot/_slots.py): overwritten in place, never the
+one the newest snapshot links.
 
 A real second process is SIGKILLed in the middle of copying a snapshot into a slot that held
 an earlier one (the third snapshot reuses the first one's slot), in the process that wrote the
@@ -17,7 +17,7 @@ import textwrap
 from tests._store_helpers import REPO, assert_same, make_registry, restore, snapshot, train
 from tests.test_snapshot import _expected, _no_rng
 from unbroken.store import CheckpointStore
-from unbroken.store._snapshot import SnapshotArea, persist
+from unbroken.store.snapshot._area import SnapshotArea, persist
 
 CHILD = textwrap.dedent(
     """
@@ -25,7 +25,7 @@ CHILD = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     from tests._store_helpers import make_registry, train
     from unbroken.store import _fsops
-    from unbroken.store._snapshot import SnapshotArea
+    from unbroken.store.snapshot._area import SnapshotArea
     root, upto, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     area = SnapshotArea(root)
     reg = make_registry()

@@ -1,4 +1,4 @@
-"""Host staging of a state's tensors (store/_staging.py): reused buffers, CPU copies at once;
+"""Host staging of a state's tensors (store/_host_buffers.py): reused buffers, CPU copies at once;
 GPU tensors into pinned buffers on a side stream (run when CUDA is present)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unbroken.store._staging import Stage
+from unbroken.store._host_buffers import Stage
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -38,7 +38,7 @@ def test_a_changed_shape_or_dtype_gets_a_new_buffer():
 
 def test_async_saver_and_slots_use_the_stage(tmp_path):
     """The CPU path end to end: an async save and a slot snapshot hold the tensors' values."""
-    from unbroken.store._slots import Slots
+    from unbroken.store.snapshot._slots import Slots
 
     slots = Slots(str(tmp_path))
     t = torch.randn(1000)
@@ -61,7 +61,7 @@ def test_gpu_copies_are_pinned_and_the_next_step_cannot_overwrite_them():
 
 @cuda
 def test_gpu_slot_snapshot_equals_the_tensor(tmp_path):
-    from unbroken.store._slots import Slots
+    from unbroken.store.snapshot._slots import Slots
 
     t = torch.randn(4096, device="cuda")
     slots = Slots(str(tmp_path))

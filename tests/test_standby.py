@@ -33,17 +33,18 @@ from tests.golden import (
     resume_steps,
     trainers,
 )
-from unbroken import _shm, read_metrics
-from unbroken._protocol import ProcessContext
-from unbroken._tree import alive
-from unbroken.cli import _warm
-from unbroken.cli._standby import UNSNAPPED, Standby, depth, idle_undoable, off_reason
+from unbroken import read_metrics
+from unbroken.process import _shm
+from unbroken.process._protocol import ProcessContext
+from unbroken.process._tree import alive
+from unbroken.supervise import _warm
+from unbroken.supervise._standby import UNSNAPPED, Standby, depth, idle_undoable, off_reason
 
 SCRIPT = ROOT / "tests" / "scripts" / "toy_train.py"
 STEPS = 30
 ARGS = ["--steps", str(STEPS), "--save-every", "1000", "--workers", "0"]
-PROMOTED = r"from the warm standby \(pid (\d+)\)"  # the report's note (cli/_standby.py)
-WAITING = "standby-waiting"  # the standby's process name while it waits (train/_standby.py)
+PROMOTED = r"from the warm standby \(pid (\d+)\)"  # the report's note (supervise/_standby.py)
+WAITING = "standby-waiting"  # the standby's process name while it waits (train/_as_standby.py)
 
 
 def _comm(pid: int) -> str | None:

@@ -23,8 +23,8 @@ import pytest
 
 from tests.dist_launch import free_port
 from tests.golden import ROOT, launches
-from unbroken._tree import alive
-from unbroken.cli import _warm
+from unbroken.process._tree import alive
+from unbroken.supervise import _warm
 
 SCRIPT = ROOT / "tests" / "scripts" / "fixed_port.py"
 ENV = {
@@ -109,7 +109,7 @@ def _new_standby(sup: subprocess.Popen[bytes], seen: set[int]) -> int | None:
             continue
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"unbroken.cli._warm" in f.read():
+                if b"unbroken.supervise._warm" in f.read():
                     return pid
         except OSError:
             pass

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from tests.golden import ROOT, assert_identical, attempt_of, launches, logged_steps, resume_steps
-from unbroken._tree import alive, descendants
-from unbroken.cli import _warm
-from unbroken.cli._standby import GO, off_reason
+from unbroken.process._tree import alive, descendants
+from unbroken.supervise import _warm
+from unbroken.supervise._standby import GO, off_reason
 
 SCRIPT = ROOT / "tests" / "scripts" / "toy_dist.py"
 STEPS = 24

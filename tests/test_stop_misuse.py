@@ -132,7 +132,7 @@ def test_a_stop_without_run_step_ends_at_the_epoch_end_with_that_error(tmp_path:
 
 
 def test_a_stop_after_a_closed_run_is_kept_for_the_next_run(tmp_path: Path) -> None:
-    from unbroken import _signals
+    from unbroken.process import _signals
 
     run = unbroken.Run(tmp_path / "a", max_steps=1, progress=False)
     for _ in run.loop(range(3)):

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from unbroken import _stops, _tree
+from unbroken.process import _stops, _tree
 
 # Starts two ranks in sessions of their own that handle SIGUSR1 (they write a file and exit),
 # prints their pids, then waits for them; it has no handler for SIGUSR1 itself (like torchrun).

@@ -418,7 +418,7 @@ def test_keep_all_env_overrides_keep_last(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A launch by `unbroken verify` keeps every checkpoint, and says so."""
-    from unbroken._protocol import ProcessContext
+    from unbroken.process._protocol import ProcessContext
     from unbroken.train._components import retention
 
     assert retention(RunConfig(keep_last=2), ProcessContext.read(), 0).keep_last == 2

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import _lazy, _quick_exit, _stops
+from . import _lazy
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -25,10 +25,11 @@ from ._errors import (
     UnbrokenError,
     UnsafeCheckpointError,
 )
-from ._exit import EXIT_RESUMABLE
-from ._protocol import ProcessContext as _ProcessContext
-from ._signals import install_signal_handlers
 from ._version import __version__
+from .process import _quick_exit, _stops
+from .process._exit import EXIT_RESUMABLE
+from .process._protocol import ProcessContext as _ProcessContext
+from .process._signals import install_signal_handlers
 
 _quick_exit.register()  # first of unbroken's atexit handlers: it runs after the others
 
@@ -40,14 +41,7 @@ if _ProcessContext.read().supervised:
     _stops.record_uncaught()  # what failed, for the supervisor: the same failure again is a bug
 
 if TYPE_CHECKING:
-    from ._determinism import determinism_problems, make_deterministic
     from ._launch import init_distributed
-    from ._trackers import (
-        tensorboard_purge_step,
-        tensorboard_writer,
-        wandb_init_args,
-        wandb_run_id,
-    )
     from .data import (
         CharVocab,
         DataLoader,
@@ -60,6 +54,12 @@ if TYPE_CHECKING:
         WordVocab,
         protect_workers,
         seed_everything,
+    )
+    from .integrations._trackers import (
+        tensorboard_purge_step,
+        tensorboard_writer,
+        wandb_init_args,
+        wandb_run_id,
     )
     from .state import EMA, Stateful
     from .store import CheckpointReader, CheckpointStore
@@ -80,6 +80,7 @@ if TYPE_CHECKING:
         write_trace,
     )
     from .train._canonical import CanonicalShards
+    from .train._determinism import determinism_problems, make_deterministic
     from .verify import VerifyError, VerifyReport, compare_runs, verify_resume
 
 _LAZY = {
@@ -111,18 +112,18 @@ _LAZY = {
     "WarmupCosine": ".train",
     "WordVocab": ".data",
     "compare_runs": ".verify",
-    "determinism_problems": "._determinism",
+    "determinism_problems": ".train._determinism",
     "export_weights": ".train",
     "init_distributed": "._launch",
-    "make_deterministic": "._determinism",
+    "make_deterministic": ".train._determinism",
     "protect_workers": ".data",
     "read_metrics": ".train",
     "seed_everything": ".data",
-    "tensorboard_purge_step": "._trackers",
-    "tensorboard_writer": "._trackers",
+    "tensorboard_purge_step": ".integrations._trackers",
+    "tensorboard_writer": ".integrations._trackers",
     "verify_resume": ".verify",
-    "wandb_init_args": "._trackers",
-    "wandb_run_id": "._trackers",
+    "wandb_init_args": ".integrations._trackers",
+    "wandb_run_id": ".integrations._trackers",
     "write_trace": ".train",
 }
 

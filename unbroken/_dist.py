@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from . import _quick_exit
 from ._errors import CollectiveTimeoutError
+from .process import _quick_exit
 
 T = TypeVar("T")
 

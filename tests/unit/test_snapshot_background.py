@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import unbroken
-from unbroken.store import CheckpointReader, _slots
+from unbroken.store import CheckpointReader
 from unbroken.store._layout import scan
+from unbroken.store.snapshot import _slots
 
 
 def _state(run: unbroken.Run) -> dict[str, torch.Tensor]:

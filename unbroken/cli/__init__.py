@@ -9,8 +9,8 @@ import sys
 from collections.abc import Sequence
 
 from .._errors import CheckpointNotFoundError, UnbrokenError
-from .._exit import EXIT_FAILURE, EXIT_NO_CHECKPOINT
 from .._version import __version__
+from ..process._exit import EXIT_FAILURE, EXIT_NO_CHECKPOINT
 from . import _commands
 
 EPILOG = """exit codes: 0 success, 1 failure, 2 usage error, 3 no valid checkpoint,

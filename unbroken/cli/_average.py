@@ -16,7 +16,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError
-from .._exit import EXIT_OK
+from ..process._exit import EXIT_OK
 from . import _weights
 
 if TYPE_CHECKING:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import _average, _demo, _diff, _export, _inspect, _pin, _plot, _supervise, _verify
+from . import _average, _demo, _diff, _export, _inspect, _pin, _plot, _run_cmd, _verify
 
 MODULES: list[ModuleType] = [
     _demo,
-    _supervise,
+    _run_cmd,
     _inspect,
     _pin,
     _verify,

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ConfigError
-from .._exit import EXIT_FAILURE, EXIT_OK
-from .._logfile import read_metrics
+from ..process._exit import EXIT_FAILURE, EXIT_OK
+from ..process._logfile import read_metrics
 
 
 def default_script() -> Path:

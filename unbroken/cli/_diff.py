@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from .._exit import EXIT_FAILURE, EXIT_OK
+from ..process._exit import EXIT_FAILURE, EXIT_OK
 from . import _weights
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from .._errors import CheckpointError
-from .._exit import EXIT_OK
+from ..process._exit import EXIT_OK
 from . import _weights
 
 EPILOG = """CKPT is a checkpoint directory or a run directory (its newest valid checkpoint, or

@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from .._exit import EXIT_NO_CHECKPOINT, EXIT_OK, EXIT_USAGE
+from ..process._exit import EXIT_NO_CHECKPOINT, EXIT_OK, EXIT_USAGE
 
 if TYPE_CHECKING:  # imported where used: `unbroken --help` must not import torch
     from ..store import CheckpointReader
@@ -123,7 +123,7 @@ def _run_store(run_dir: str) -> Any:
     from ..store import CheckpointStore
 
     if _is_url(run_dir):  # s3://bucket/prefix: the run's remote tier
-        from ..store._remote import RemoteStore
+        from ..store.remote._bucket import RemoteStore
 
         return RemoteStore(run_dir)
     if not os.path.isdir(run_dir):
@@ -266,8 +266,8 @@ def _open(path: str, step: int | None, *, checksums: bool) -> CheckpointReader:
     store = CheckpointStore(path)
     if step is not None:
         return store.open(step, checksums=checksums)
-    # The fallback past an unusable checkpoint is a log record (unbroken/_log.py); a tool says it
-    # on stderr whatever logging is configured, so it is collected here and printed.
+    # The fallback past an unusable checkpoint is a log record (unbroken/process/_log.py); a tool
+    # says it on stderr whatever logging is configured, so it is collected here and printed.
     caught = _Collect()
     logger = logging.getLogger("unbroken")
     logger.addHandler(caught)
@@ -297,7 +297,7 @@ def _open_remote(url: str, step: int | None, *, checksums: bool) -> CheckpointRe
     """``s3://bucket/prefix`` (a run's remote tier: its newest valid checkpoint, or that of
     ``step``) or ``s3://bucket/prefix/checkpoints/step-N`` (that checkpoint)."""
     from ..store import _layout
-    from ..store._remote import RemoteStore
+    from ..store.remote._bucket import RemoteStore
 
     head, _, name = url.rstrip("/").rpartition("/")
     named = _layout.parse_step(name)
@@ -389,15 +389,15 @@ class Rows:
                 yield i, r
 
 
-_SEP = "/"  # state/_tree.SEP: component, then the tensor's path
+_SEP = "/"  # state/_nested.SEP: component, then the tensor's path
 
 
 def describe(reader: CheckpointReader) -> dict[str, Any]:
     """Everything ``inspect`` shows, as JSON-ready values (no tensor data is read), but each
     component's ``tensors``: :class:`Rows`, made row by row (:func:`write_json`)."""
-    from ..state import _tree
+    from ..state import _nested
 
-    assert _tree.SEP == _SEP
+    assert _nested.SEP == _SEP
     m = reader.manifest
     tensors = _Tensors(reader)  # names, shapes and dtypes from the table
     trees = reader.global_trees()
@@ -478,10 +478,10 @@ def write_json(info: dict[str, Any], write: Callable[[str], Any]) -> None:
 
 
 def _decode(tree: Any) -> Any:
-    from ..state import _tree
+    from ..state import _nested
 
     try:
-        return _tree.join(tree, {})
+        return _nested.join(tree, {})
     except CorruptCheckpointError:
         return tree  # refers to tensors: show the JSON as stored
 

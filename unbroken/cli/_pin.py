@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .._exit import EXIT_OK
+from ..process._exit import EXIT_OK
 
 
 def register(subparsers: Any) -> None:

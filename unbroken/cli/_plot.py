@@ -14,8 +14,8 @@ import os
 from typing import Any
 
 from .._errors import CheckpointError, CheckpointNotFoundError
-from .._exit import EXIT_OK
-from .._logfile import METRICS_FILE, read_metrics
+from ..process._exit import EXIT_OK
+from ..process._logfile import METRICS_FILE, read_metrics
 from . import _weights
 
 EPILOG = """exit codes: 0 written, 1 the log cannot be read or matplotlib is missing,

@@ -11,8 +11,8 @@ import sys
 from types import FrameType
 from typing import Any
 
-from .. import _protocol
-from .._exit import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from ..process import _protocol
+from ..process._exit import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 
 DESCRIPTION = f"""Check that CMD resumes exactly: run it uninterrupted to completion in a fresh
 run directory (the reference), then again in another one while interrupting it K times

@@ -120,11 +120,11 @@ def _is_ema(tree: Any) -> bool:
 
 def _decoded(reader: CheckpointReader, tree: Any) -> Any:
     """The component's state with every tensor replaced by its :class:`Ref`."""
-    from ..state import _tree
+    from ..state import _nested
 
     infos = reader.tensor_infos()
-    refs = {n: Ref(n, tuple(infos[n].shape), infos[n].dtype) for n in _tree.tensor_names(tree)}
-    return _tree.join(tree, refs)  # type: ignore[arg-type]
+    refs = {n: Ref(n, tuple(infos[n].shape), infos[n].dtype) for n in _nested.tensor_names(tree)}
+    return _nested.join(tree, refs)  # type: ignore[arg-type]
 
 
 def load(reader: CheckpointReader, refs: dict[str, Ref]) -> dict[str, torch.Tensor]:
@@ -205,7 +205,7 @@ def run_guarded(name: str, fn: Any, args: argparse.Namespace) -> int:
     """``fn(args)``, a usage error turned into exit 2 and an OS error into exit 1, the message
     on stderr (checkpoint errors propagate to ``unbroken.cli.main``: exit 1, or 3 for no
     checkpoint)."""
-    from .._exit import EXIT_FAILURE, EXIT_USAGE
+    from ..process._exit import EXIT_FAILURE, EXIT_USAGE
 
     try:
         return int(fn(args))

@@ -6,8 +6,8 @@ from ._iterable import IterableLoader
 from ._loader import DataLoader
 from ._sampler import SamplerLoader
 from ._seeding import derive, epoch_order, sample_generator, sample_seed, seed_everything
+from ._sequential import IterableShards
 from ._shards import JsonlShards, ShardOrder
-from ._stream import IterableShards
 from ._tokens import TokenBatchLoader
 from ._vocab import CharVocab, WordVocab
 from ._workers import protect_workers

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .. import _log
 from .._errors import DataError
+from ..process import _log
 
 log = _log.get("data")
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch.utils.data as tud
 
-from .. import _signals
 from .._errors import ConfigError, DataError
+from ..process import _signals
 from ..state import Stateful
 from ._contract import LoaderBase
 

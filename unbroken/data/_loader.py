@@ -32,7 +32,7 @@ import torch.utils.data as tud
 from .._errors import ConfigError, DataError
 from . import _seeding, _workers
 from ._contract import LoaderBase
-from ._streams import BatchSeeder, KeyedBatch, SampleSeeder
+from ._global_streams import BatchSeeder, KeyedBatch, SampleSeeder
 
 LOADER_VERSION = 1
 

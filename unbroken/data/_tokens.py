@@ -37,8 +37,9 @@ from typing import Any
 import numpy as np
 import torch.utils.data as tud
 
-from .. import _dist, _log
+from .. import _dist
 from .._errors import ConfigError, DataError
+from ..process import _log
 from . import _seeding, _workers
 from ._corpus import EpochOrder
 from ._windows import WindowFetch, cut_window, longest_field

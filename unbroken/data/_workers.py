@@ -36,7 +36,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 import torch.utils.data as tud
 
-from .. import _signals
+from ..process import _signals
 
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 EXIT_DEADLINE = 5.0

@@ -23,8 +23,8 @@ from __future__ import annotations
 import gc
 from typing import Any
 
-from .. import _log
 from .._errors import ConfigError
+from ..process import _log
 from ..train._reduction import fix_layouts
 
 log = _log.get()

@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from .. import _log
 from .._errors import ConfigError
-from .._exit import EXIT_RESUMABLE
 from ..data._contract import check_world
+from ..process import _log
+from ..process._exit import EXIT_RESUMABLE
 from ..train._config import RunConfig
 from ..train._reduction import fix_layouts
 from . import _lightning_restart as restart
@@ -204,7 +204,7 @@ class _LocalNotifier:
     def replace(connector: Any, trainer: Any) -> None:
         """Put it in place of the connector's notifier in the SIGTERM handler Lightning
         registered (a ``_HandlersCompose`` calling each of its ``signal_handlers``)."""
-        from .._signals import chained
+        from ..process._signals import chained
 
         notifier = getattr(type(connector), "_sigterm_notifier_fn", None)
         for installed in (signal.getsignal(signal.SIGTERM), chained(signal.SIGTERM)):

@@ -27,7 +27,7 @@ private names of transformers 5.23 (hence the extra's ``<6``):
   ``on_step_end`` and ``run.step()``, so after the step's end and before its save -- and
   ``DataCollatorForLanguageModeling`` masks from the global torch stream. The loader runs it
   with the global streams seeded from (seed, the batch's samples) and, in the main process,
-  puts them back (``unbroken.data._streams.BatchSeeder``): the batches prefetched before a
+  puts them back (``unbroken.data._global_streams.BatchSeeder``): the batches prefetched before a
   save leave the saved training stream untouched, and a resume collates them again to the
   same masks, with any number of workers. A collator with a generator of its own
   (``seed=``) is refused.
@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from .. import _log
 from .._errors import ConfigError
+from ..process import _log
 from ..train._config import RunConfig
 from ..train._reduction import fix_layouts
 from ._eval import protect_eval_loader

@@ -13,9 +13,9 @@ from .. import _lazy
 if TYPE_CHECKING:
     from ._counters import Counters
     from ._ema import EMA
-    from ._protocol import Stateful
     from ._registry import Component, Payload, Registry, TensorInfo, local_prefix
     from ._rng import GlobalRNG
+    from ._stateful import Stateful
 
 _LAZY = {
     "Component": "._registry",
@@ -24,7 +24,7 @@ _LAZY = {
     "GlobalRNG": "._rng",
     "Payload": "._registry",
     "Registry": "._registry",
-    "Stateful": "._protocol",
+    "Stateful": "._stateful",
     "TensorInfo": "._registry",
     "local_prefix": "._registry",
 }

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from .._errors import StateError
-from ._protocol import Stateful
-from ._tree import escape
+from ._nested import escape
+from ._stateful import Stateful
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:

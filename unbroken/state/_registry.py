@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .._errors import ConfigError, StateError
-from . import _tree
+from . import _nested
 from ._adapters import (
     GenericState,
     ModuleState,
@@ -26,7 +26,7 @@ from ._adapters import (
     PythonRandomState,
     TorchGeneratorState,
 )
-from ._protocol import Stateful
+from ._stateful import Stateful
 
 _NAME_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 
@@ -150,7 +150,7 @@ class Registry:
         for c in self:
             sd = c.adapter.state_dict()
             prefix = local_prefix(c.name, rank) if c.rank_local else c.name
-            tree, tensors = _tree.split(sd, prefix)
+            tree, tensors = _nested.split(sd, prefix)
             (out.local_trees if c.rank_local else out.global_trees)[c.name] = tree
             out.tensors.update(tensors)
             out.kinds[c.name] = str(getattr(c.obj, "kind", None) or getattr(c.adapter, "kind", ""))
@@ -193,9 +193,9 @@ class Registry:
         targets: dict[str, torch.Tensor] = {}
         for name in names:
             c = self._items[name]
-            live_tree, live = _tree.split(c.adapter.state_dict(), "")
+            live_tree, live = _nested.split(c.adapter.state_dict(), "")
             live_by_path = {k: v for k, v in live.items()}
-            wanted = _tree.tensor_names(trees[name])
+            wanted = _nested.tensor_names(trees[name])
             prefix = wanted[0].split("/", 1)[0] if wanted else name
             templates = getattr(c.adapter, "templates", None)
             make = templates() if templates is not None and wanted else None
@@ -252,7 +252,7 @@ class Registry:
         ordered = sorted(names, key=lambda n: self._items[n].rank_local)
         for name in ordered:
             c = self._items[name]
-            state = _tree.join(trees[name], tensors)
+            state = _nested.join(trees[name], tensors)
             try:
                 c.adapter.load_state_dict(state)
             except StateError:

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _log
 from .._errors import StateError
+from ..process import _log
 
 RNG_VERSION = 1
 log = _log.get("state")

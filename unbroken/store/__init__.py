@@ -15,16 +15,16 @@ if TYPE_CHECKING:
     from ._layout import checkpoints_dir, scan, step_name
     from ._lock import WriterLock
     from ._reader import CheckpointReader
-    from ._remote import RemoteStore
     from ._storage import TensorReader, TensorWriter
     from ._store import CheckpointStore, Listing, Retention
+    from .remote._bucket import RemoteStore
 
 _LAZY = {
     "AsyncSaver": "._async",
     "CheckpointReader": "._reader",
     "CheckpointStore": "._store",
     "Listing": "._store",
-    "RemoteStore": "._remote",
+    "RemoteStore": ".remote._bucket",
     "Retention": "._store",
     "TensorReader": "._storage",
     "TensorWriter": "._storage",

@@ -2,7 +2,7 @@
 
 ``save()`` snapshots every tensor of the payload into a buffer kept from the previous save,
 then writes, checksums and commits in a background thread. GPU tensors go into pinned buffers
-on a side stream (store/_staging.py): training waits only until those copies are issued, and
+on a side stream (store/_host_buffers.py): training waits only until those copies are issued, and
 the background thread waits for them to finish before it writes. At most
 one save is in flight: a new one first waits for the previous (so every triggered save happens,
 in order). An error of a background save is raised by the next ``save()``, ``check()`` or
@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 
-from .. import _log
 from .._errors import CheckpointWriteError
+from ..process import _log
 from ..state import Payload
 from ..state._adapters import _is_dtensor
 from ._direct import one_thread
-from ._staging import Stage, Staged
+from ._host_buffers import Stage, Staged
 from ._store import CheckpointStore
 
 log = _log.get("store")

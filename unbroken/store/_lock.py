@@ -26,9 +26,9 @@ import time
 import weakref
 from typing import Any
 
-from .. import _log
 from .._errors import CheckpointWriteError, LockError
-from .._logfile import open_regular
+from ..process import _log
+from ..process._logfile import open_regular
 
 log = _log.get("store")
 

@@ -31,7 +31,7 @@ def build(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(state.json's document, the manifest) of a commit of ``payload`` (a state.Payload)
     whose other files are ``files`` ({name: (size, xxh3)}). Plain JSON: rank 0 can hand both
-    to the ranks that commit the same checkpoint in other directories (store/_nodes.py)."""
+    to the ranks that commit the same checkpoint in other directories (store/snapshot/_nodes.py)."""
     import platform
     import time
 

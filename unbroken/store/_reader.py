@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._errors import CheckpointError, CorruptCheckpointError
-from ..state import _tree
+from ..state import _nested
 from . import _format, _layout, _manifest, _tablefile
 from ._table import Table
 
@@ -46,7 +46,7 @@ class CheckpointReader:
     """A checkpoint directory whose manifest parsed (call :meth:`verify` for checksums).
 
     Public methods check; the ``_io_*`` hooks read the bytes (a subclass reads them from an
-    object store: store/_remote_reader.py), so every refusal is the same wherever they are.
+    object store: store/remote/_object_reader.py), so every refusal is the same wherever they are.
     """
 
     @_located
@@ -128,8 +128,8 @@ class CheckpointReader:
             raise CorruptCheckpointError(f"{where} has no components")
         infos = self.tensor_infos()
         for comp, tree in comps.items():
-            _tree.validate(tree, f"{where}: component {comp!r}")
-            for key in _tree.tensor_names(tree):
+            _nested.validate(tree, f"{where}: component {comp!r}")
+            for key in _nested.tensor_names(tree):
                 if key not in infos:
                     raise CorruptCheckpointError(
                         f"{self.path}: component {comp!r} refers to tensor {key!r}, "

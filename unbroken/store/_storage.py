@@ -50,8 +50,8 @@ _local = threading.local()
 @contextmanager
 def data_files_into(slots: Any) -> Iterator[None]:
     """Write this thread's data files into ``slots`` (an in-memory snapshot's fixed slots,
-    store/_slots.py) instead of new files. Thread-local: an async durable save running in its
-    own thread meanwhile is not affected."""
+    store/snapshot/_slots.py) instead of new files. Thread-local: an async durable save running in
+    its own thread meanwhile is not affected."""
     old = getattr(_local, "slots", None)
     _local.slots = slots
     try:

@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .. import _log
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -30,7 +29,8 @@ from .._errors import (
     CorruptCheckpointError,
     write_error,
 )
-from .._logfile import open_regular
+from ..process import _log
+from ..process._logfile import open_regular
 from . import _fsops, _layout, _manifest
 from ._entry import LOCAL, Entry
 from ._reader import CheckpointReader

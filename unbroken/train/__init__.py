@@ -1,9 +1,9 @@
 """Train layer: the run, its triggers, signals, metrics log, settings, callbacks and stages."""
 
 from ._config import RunConfig
-from ._export import export_weights, write_trace
 from ._loop import StepContext
 from ._metrics import read_metrics
+from ._outputs import export_weights, write_trace
 from ._run import Run
 from ._settings import (
     Constant,

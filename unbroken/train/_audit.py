@@ -20,9 +20,9 @@ import torch
 import torch.optim.optimizer as optim_hooks
 import torch.utils.data as tud
 
-from .. import _log
 from .._errors import ConfigError, ResumeWarning, StateError
 from ..data._contract import is_loader
+from ..process import _log
 from ..state import Registry
 from ..state._adapters import unwrap
 from ..state._rng import cuda_states

@@ -31,7 +31,7 @@ from ._events import Events
 from ._snapshots import Collect, Snapshots
 
 if TYPE_CHECKING:
-    from ..store._tier import RemoteTier
+    from ..store.remote._tier import RemoteTier
 
 
 class Checkpointer:
@@ -189,7 +189,7 @@ class Checkpointer:
         if self.rank != 0 or self._remote_url is None:
             return None
         if self.remote is None:
-            from ..store._tier import RemoteTier
+            from ..store.remote._tier import RemoteTier
 
             keep = self._remote_retention or self.store.retention
             self.remote = RemoteTier(

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .. import _log
 from .._errors import ConfigError
-from .._protocol import ProcessContext
 from ..data._contract import check_world, is_loader
+from ..process import _log
+from ..process._protocol import ProcessContext
 from ..state import Counters, GlobalRNG, Registry
 from ..store import Retention
 from ._audit import refuse_untrackable

@@ -170,7 +170,7 @@ class RunConfig:
                 f"start_over=True starts fresh; it cannot be combined with resume={self.resume!r}"
             )
         if self.remote is not None:
-            from ..store._s3 import parse_url
+            from ..store.remote._s3 import parse_url
 
             parse_url(self.remote)  # a malformed URL fails here, before anything runs
         self.allow_missing = tuple(self.allow_missing)

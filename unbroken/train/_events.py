@@ -4,7 +4,7 @@ Events: ``resume`` (INFO, and a line on stderr while logging is unconfigured: _l
 ``save`` (INFO, once durably committed), ``model_changed`` (INFO),
 ``extend`` (a complete run continued; WARNING), ``stop`` (WARNING: it must be seen with
 logging unconfigured, through ``logging.lastResort``), and an error closing the run. The rank
-policy is unbroken._log's: rank 0 speaks for the run.
+policy is unbroken.process._log's: rank 0 speaks for the run.
 
 The metrics log (``RUN/metrics.jsonl``, rank 0) gets one record per step and the run's events
 (``resume``, ``stop``, ``model_changed``, ``audit``, ...); :class:`Events` owns it once opened.
@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .. import _log
+from ..process import _log
 from ..state import Counters, GlobalRNG
 from ._metrics import MetricsLog
 

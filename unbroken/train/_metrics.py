@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from .. import _log
 from .._errors import CheckpointWriteError
-from .._logfile import METRICS_FILE, open_regular, read_metrics
+from ..process import _log
+from ..process._logfile import METRICS_FILE, open_regular, read_metrics
 from ..store import _fsops
 
 __all__ = ["METRICS_FILE", "MetricsLog", "read_metrics"]

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _log
 from .._errors import ResumeWarning
+from ..process import _log
 
 log = _log.get("run")
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .. import _dist, _log
+from .. import _dist
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -29,7 +29,8 @@ from .._errors import (
     UnsafeCheckpointError,
 )
 from ..data._seeding import derive, seed_globals
-from ..state import Counters, Registry
+from ..process import _log
+from ..state import Counters, Registry, _nested
 from ..store import CheckpointReader, CheckpointStore, _layout
 from ..store._entry import LOCAL, REMOTE, SNAPSHOT, Entry
 from ..store._manifest import rank_file
@@ -37,11 +38,10 @@ from ._choice import Decision, Listings, choose
 from ._config import RunConfig
 from ._metrics import METRICS_FILE
 from ._snapshots import Snapshots
-from ._tree_peek import saved_stage
 
 if TYPE_CHECKING:
-    from ..store._snapshot import SnapshotArea
-    from ..store._tier import RemoteTier
+    from ..store.remote._tier import RemoteTier
+    from ..store.snapshot._area import SnapshotArea
 
 log = _log.get("run")
 UNUSABLE = (CorruptCheckpointError, UnsafeCheckpointError, CheckpointNotFoundError)
@@ -392,3 +392,11 @@ def _by_reason(failed: list[tuple[int, str]]) -> str:
         f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {why}"
         for why, rs in ranks.items()
     )
+
+
+def saved_stage(trees: dict[str, Any]) -> Any:
+    """The stage a checkpoint's counters name, read before anything is loaded."""
+    counters = trees.get("counters")
+    if not isinstance(counters, dict):
+        return None
+    return _nested.join(counters.get("stage"), {})

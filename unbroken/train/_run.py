@@ -33,23 +33,24 @@ from typing import Any
 
 import torch
 
-from .. import _dist, _quick_exit, _signals, _stops
-from .._determinism import warn_determinism
+from .. import _dist
 from .._errors import ConfigError
-from .._exit import EXIT_RESUMABLE
-from .._protocol import ProcessContext
 from ..data._contract import is_loader
+from ..process import _quick_exit, _signals, _stops
+from ..process._exit import EXIT_RESUMABLE
+from ..process._protocol import ProcessContext
+from ..process._signals import StopRequest, install_signal_handlers, process_start
 from ..state import Counters
-from . import _standby, _triggers
+from . import _as_standby, _triggers
 from ._audit import Audit
 from ._checkpointer import Checkpointer
 from ._components import remote_retention, retention, track
 from ._config import RunConfig, deadline, split_arguments
+from ._determinism import warn_determinism
 from ._events import Events
 from ._loop import Stepper
 from ._progress import Progress, steps_for_epochs
 from ._resume import Resumer
-from ._signals import StopRequest, install_signal_handlers, process_start
 from ._staging import ModelSwap
 from ._stopping import RepeatedStep, at_open, check_epoch, fetch_hook, honour
 
@@ -79,7 +80,7 @@ class Run:
         components: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        _standby.wait_for_turn()  # a warm standby waits here: before the lock and any read
+        _as_standby.wait_for_turn()  # a warm standby waits here: before the lock and any read
         self.config, kwargs = split_arguments(config, components, kwargs)
         cfg = self.config
         self.dir = os.path.abspath(os.fspath(run_dir))

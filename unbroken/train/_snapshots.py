@@ -1,4 +1,4 @@
-"""In-memory snapshots of a run (see unbroken/store/_snapshot.py for what they are).
+"""In-memory snapshots of a run (see unbroken/store/snapshot/_area.py for what they are).
 
 Active only under ``unbroken run`` (which hands the trainer a snapshot area through the process
 protocol) and when ``snapshot_every`` is not 0. ``snapshot_every=None`` (the default) snapshots
@@ -38,12 +38,13 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .. import _dist, _log, _stops
+from .. import _dist
+from ..process import _log, _stops
 from ..state import Payload
 from ..state._ema import BEFORE_UPDATE, EMA
 from ..store import CheckpointReader
-from ..store._nodes import NodeLayout
-from ..store._snapshot import SnapshotArea, SnapshotsOff, SnapshotTorn
+from ..store.snapshot._area import SnapshotArea, SnapshotsOff, SnapshotTorn
+from ..store.snapshot._nodes import NodeLayout
 
 log = _log.get()
 BUDGET = 0.01
@@ -200,7 +201,7 @@ class Snapshots:
     def _spread(self, root: str) -> None:
         """Ranks under several supervisors (one per node, each with its own area): each node
         commits its part of every snapshot, with a copy of the previous node's part, so any
-        one node can be lost (store/_nodes.py)."""
+        one node can be lost (store/snapshot/_nodes.py)."""
         assert self.area is not None
         layout = NodeLayout.of(_dist.all_gather_json(root, what="snapshot areas"), self.rank)
         if layout is None:

@@ -1,7 +1,7 @@
 """Safe points: where a stop the signal handler recorded is honoured, and how the loop is driven.
 
-The handler (:mod:`unbroken._signals`) only records a stop. ``Run`` honours it here, in its own
-code, where the tracked state is that of a step boundary:
+The handler (:mod:`unbroken.process._signals`) only records a stop. ``Run`` honours it here, in its
+own code, where the tracked state is that of a step boundary:
 
 =========================  ==============================================================
 safe point                 what happens on a recorded stop
@@ -29,11 +29,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-from .. import _log, _signals
 from .._errors import ConfigError
+from ..process import _log, _signals
+from ..process._signals import StopRequest
 from ..state import Counters
 from ._events import Events
-from ._signals import StopRequest
 
 log = _log.get("run")
 

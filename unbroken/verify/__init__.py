@@ -8,10 +8,10 @@ uninterrupted run? (``unbroken verify``; ``unbroken.verify_resume`` for a test s
 """
 
 from ._compare import VOLATILE, Comparison, Difference, compare_runs
-from ._errors import ScriptFailedError, VerifyError
 from ._plan import Target, plan_interrupts
 from ._report import Interruption, VerifyReport
 from ._runner import PLACEHOLDER, verify_resume
+from ._unverifiable import ScriptFailedError, VerifyError
 
 __all__ = [
     "PLACEHOLDER",

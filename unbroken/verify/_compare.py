@@ -27,7 +27,7 @@ import torch
 from .._errors import CheckpointError
 from ..store import CheckpointReader, scan
 from ..train import read_metrics
-from ._errors import VerifyError
+from ._unverifiable import VerifyError
 from ._volatile import VOLATILE, NotCompared, collapse, volatile_rule
 
 # At one step, the component whose difference most likely *causes* the others comes first.

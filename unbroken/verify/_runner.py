@@ -7,10 +7,10 @@ its ``Run`` keep every checkpoint, so both runs can be compared at every save st
 
 A signal goes to every process of the launch -- the command, everything below it, and what
 a launcher started in sessions of its own (torchrun's ranks) -- as a cluster's preemption
-would (:mod:`unbroken._tree`). A launch whose ranks all saved and stopped (their stop markers,
-:mod:`unbroken._stops`) is a stop whatever the launcher's exit code (torchrun exits 1 when its
-ranks exit 75). After a SIGKILL no step may be logged: one would mean a process of the job
-survived the kill and trained on. Moments are watched from outside: a step target fires when
+would (:mod:`unbroken.process._tree`). A launch whose ranks all saved and stopped (their stop
+markers, :mod:`unbroken.process._stops`) is a stop whatever the launcher's exit code (torchrun
+exits 1 when its ranks exit 75). After a SIGKILL no step may be logged: one would mean a process of
+the job survived the kill and trained on. Moments are watched from outside: a step target fires when
 ``RUN/metrics.jsonl`` logs that step; a save target fires (SIGKILL) as soon as the save's
 ``checkpoints/.tmp-step-N`` directory appears.
 """
@@ -28,15 +28,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from .. import _protocol, _stops, _tree
 from .._errors import ConfigError
-from .._exit import EXIT_OK, EXIT_RESUMABLE
-from .._logfile import METRICS_FILE, last_logged_step
+from ..process import _protocol, _stops, _tree
+from ..process._exit import EXIT_OK, EXIT_RESUMABLE
+from ..process._logfile import METRICS_FILE, last_logged_step
 from ..store import _layout
 from ._compare import compare_runs
-from ._errors import ScriptFailedError, VerifyError
 from ._plan import Target, next_target, plan_interrupts
 from ._report import Interruption, VerifyReport, hints_for, parted
+from ._unverifiable import ScriptFailedError, VerifyError
 
 PLACEHOLDER = "{run_dir}"
 ENV_RUN_DIR = _protocol.RUN_DIR

@@ -2,7 +2,7 @@
 
 One handler per process for SIGTERM, SIGUSR1 and SIGINT, installed by
 :func:`install_signal_handlers` (``import unbroken`` calls it when the supervisor launched the
-process, :data:`unbroken._protocol.SUPERVISED`; ``Run(...)`` calls it otherwise) and never
+process, :data:`unbroken.process._protocol.SUPERVISED`; ``Run(...)`` calls it otherwise) and never
 removed. The handler only *records* a stop -- it never raises into the code it interrupted, where an
 ``except:`` in a library (an import, a retry loop) could swallow it. The stop is honoured at
 safe points in unbroken's own code:
@@ -30,8 +30,8 @@ A process forked from ours gets the default action (a pool worker must still die
 ignore them (:mod:`unbroken.data._workers`); the main process owns the stop.
 
 A process that exits 75 without training leaves a stop marker for its launcher
-(:mod:`unbroken._stops`), as ``Run`` does after a stop's save. Under torchrun, importing this
-module also asks for a SIGTERM when the rank's parent, the torchrun agent, dies
+(:mod:`unbroken.process._stops`), as ``Run`` does after a stop's save. Under torchrun, importing
+this module also asks for a SIGTERM when the rank's parent, the torchrun agent, dies
 (:func:`follow_launcher`), so a ``kill -9`` of the agent stops its ranks as a preemption would.
 """
 
@@ -67,13 +67,13 @@ _wake = threading.Event()
 _started = False  # the backstop thread and the exit callback exist
 # The start of a time budget where /proc cannot tell when the process started.
 IMPORTED_AT = time.time()
-# When a warm standby was promoted to trainer (train/_standby.py): its budget starts there,
+# When a warm standby was promoted to trainer (train/_as_standby.py): its budget starts there,
 # not at its start (it may have waited for hours).
 PROMOTED_AT = 0.0
 
 _ctx = _protocol.ProcessContext.read()
 IN_STANDBY = _ctx.supervised and (_ctx.standby_fd is not None or _ctx.standby_fifo is not None)
-"""A warm standby not yet promoted (train/_standby.py clears it at the promotion): not the job.
+"""A warm standby not yet promoted (train/_as_standby.py clears it at the promotion): not the job.
 A stop ends it with 75 and its stop marker, saying nothing -- "relaunch to go on" is advice for
 the job, which its trainer (or a finished run's exit 0) gives -- and an uncaught exception of a
 deep standby's script is said by the supervisor, not as a traceback (_stops.record_uncaught)."""

@@ -30,20 +30,21 @@ from typing import Any
 
 import xxhash
 
-from .. import _log
-from .._errors import (
+from ..._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     RemoteStoreError,
     UnsafeCheckpointError,
 )
-from .._logfile import METRICS_FILE
-from . import _fsops, _layout, _manifest, _remote_fetch, _s3
-from ._entry import REMOTE, Entry
-from ._reader import CheckpointReader
-from ._remote_reader import RemoteReader
-from ._store import Listing, Retention, _number
+from ...process import _log
+from ...process._logfile import METRICS_FILE
+from .. import _fsops, _layout, _manifest
+from .._entry import REMOTE, Entry
+from .._reader import CheckpointReader
+from .._store import Listing, Retention, _number
+from . import _fetch, _s3
+from ._object_reader import RemoteReader
 
 log = _log.get("store")
 Scan = dict[int, dict[str, tuple[int, float]]]
@@ -233,7 +234,7 @@ class RemoteStore:
             os.unlink(tmp)
         _fsops.mkdir(tmp)
         try:
-            _remote_fetch.download(remote, tmp)  # every byte checked as it lands
+            _fetch.download(remote, tmp)  # every byte checked as it lands
             _fsops.write_file(
                 os.path.join(tmp, _manifest.MANIFEST), _manifest.dumps(remote.manifest)
             )

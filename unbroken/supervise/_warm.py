@@ -9,7 +9,7 @@ trains: the same command, rewritten from ``python [OPTIONS] SCRIPT ARGS`` (or ``
 ARGS``) into ``python [OPTIONS] -c BOOT -- SCRIPT ARGS``, where ``BOOT`` puts on ``sys.path``
 what Python would have put there for the script, imports torch, ``torch._dynamo`` (the first
 ``torch.optim`` optimizer imports it: ~1.5 s of a typical script's set-up) and unbroken, waits
-on the standby's pipe (:func:`unbroken.train._standby.wait_for_turn`, the same wait and the same
+on the standby's pipe (:func:`unbroken.train._as_standby.wait_for_turn`, the same wait and the same
 signals as the deep standby), then runs the script with :mod:`runpy` as ``__main__``. Its
 environment is the next attempt's from the start, as for the deep standby; only the imports are
 saved, not the script's own set-up.
@@ -68,7 +68,7 @@ BOOT = (
     "-0;import os,sys;m,t=sys.argv[1:3];"
     "sys.path[:1]=[os.getcwd() if m=='-m' else os.path.dirname(os.path.realpath(t))]"
     " if sys.path[:1]==[''] else sys.path[:1];"
-    "from unbroken.cli._warm import main;main()"
+    "from unbroken.supervise._warm import main;main()"
 )
 
 
@@ -242,7 +242,7 @@ def _watch_torch_import(env: TorchEnvironment) -> None:
     every ``import`` statement calls (until then only)."""
     import builtins
 
-    from ..train import _standby
+    from ..train import _as_standby
 
     original = builtins.__import__
 
@@ -262,7 +262,7 @@ def _watch_torch_import(env: TorchEnvironment) -> None:
         env.check()
 
     builtins.__import__ = hook
-    _standby.at_first_run = first_run
+    _as_standby.at_first_run = first_run
 
 
 def main() -> None:
@@ -281,7 +281,7 @@ def main() -> None:
     # What torch read, and what its import set itself (TORCHINDUCTOR_CACHE_DIR): the baseline
     # for what the script sets.
     env = TorchEnvironment(os.environ)
-    from ..train._standby import wait_for_turn
+    from ..train._as_standby import wait_for_turn
 
     wait_for_turn()  # returns once promoted; exits 75 when told to go away
     _watch_torch_import(env)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .._logfile import read_metrics
+from ..process._logfile import read_metrics
 from ..state import EMA
 from ..state._adapters import unwrap
 

@@ -16,7 +16,7 @@ protocol (temporary name, manifest last, rename):
 Every file of a snapshot is thus in the memory of two nodes, and any one node can be lost:
 after a death the supervisors copy what their parts hold into one staging directory in the
 shared run directory, and the copy that completes the file set is verified against the
-manifest and committed (store/_snapshot.py ``persist``). Two neighbouring nodes lost: back to
+manifest and committed (store/snapshot/_area.py ``persist``). Two neighbouring nodes lost: back to
 the durable checkpoint. Why over the job's process group and not between supervisors:
 docs/design.md ("Buddy replicas").
 """
@@ -31,10 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _dist
-from . import _layout, _manifest
-from ._safeio import safe_file
-from ._store import _attempt
+from ... import _dist
+from .. import _layout, _manifest
+from .._safeio import safe_file
+from .._store import _attempt
 
 REPLICA_TAG = 7_000  # tags of the replica's point-to-point messages: REPLICA_TAG + file index
 

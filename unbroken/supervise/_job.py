@@ -4,7 +4,8 @@
 rank (torchrun starts them in sessions of their own and dies of SIGUSR1), "every rank saved
 and stopped" is a resumable stop whatever torchrun's exit code (it exits 1 when its ranks exit
 75), and ranks left running after the launcher died are waited for before a relaunch (they
-hold the run's lock and the master port). See :mod:`unbroken._tree` and :mod:`unbroken._stops`.
+hold the run's lock and the master port). See :mod:`unbroken.process._tree` and
+:mod:`unbroken.process._stops`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 import tempfile
 from typing import Any
 
-from .. import _protocol, _stops, _tree
+from ..process import _protocol, _stops, _tree
 
 
 def _follow(
@@ -46,7 +47,7 @@ def _follow(
             os.kill(os.getpid(), signal.SIGTERM)
         if idle:
             # A warm standby: its set-up takes only CPU that training leaves (inherited by
-            # the threads it starts; train/_standby.py puts every one back at its promotion).
+            # the threads it starts; train/_as_standby.py puts every one back at its promotion).
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         if oom is not None:
             set_oom_score(0, oom)

@@ -35,9 +35,9 @@ variable                    set by                              read by
 ==========================  ==================================  ==================================
 
 Marker files: a rank that saved and stopped (or was stopped while not training) writes
-``<UNBROKEN_STOP_DIR>/rank-RRRRR.json`` (:mod:`unbroken._stops`); the supervisor and ``verify``
-read them, because a launcher between them and the ranks loses the ranks' exit code (torchrun
-exits 1 when its ranks exit 75). With no snapshot area, a node's first rank also writes
+``<UNBROKEN_STOP_DIR>/rank-RRRRR.json`` (:mod:`unbroken.process._stops`); the supervisor and
+``verify`` read them, because a launcher between them and the ranks loses the ranks' exit code
+(torchrun exits 1 when its ranks exit 75). With no snapshot area, a node's first rank also writes
 ``<UNBROKEN_STOP_DIR>/run-dir.json`` when ``Run`` opens: the supervisor judges a crash's
 progress by that directory's checkpoints (with an area, its channel file says the same).
 

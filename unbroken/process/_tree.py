@@ -5,8 +5,9 @@ Torch-free, Linux ``/proc`` (elsewhere a job is its one process). Why not a proc
 never reaches a rank, and ``kill -9`` of the launcher leaves its ranks running. A job here is
 
 - while its first process lives: that process and everything below it (``ppid`` links);
-- afterwards: every process still carrying the job's tag (:data:`unbroken._protocol.JOB_TAG`) in its
-  environment (inherited by everything it started), wherever it was reparented to.
+- afterwards: every process still carrying the job's tag
+  (:data:`unbroken.process._protocol.JOB_TAG`) in its environment (inherited by everything it
+  started), wherever it was reparented to.
 
 A stop signal goes to the first process, to every process of the tree that handles the signal,
 and to the workers of a launcher agent -- but not to the agent itself: torchrun dies of SIGUSR1

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from . import _log
+from ..process import _log
 
 log = _log.get()
 

@@ -34,12 +34,12 @@ import sys
 import threading
 import time
 
-from .. import _log
-from .._errors import RemoteStoreError
-from .._logfile import METRICS_FILE
-from . import _layout
-from ._remote import RemoteStore
-from ._store import CheckpointStore, Retention
+from ..._errors import RemoteStoreError
+from ...process import _log
+from ...process._logfile import METRICS_FILE
+from .. import _layout
+from .._store import CheckpointStore, Retention
+from ._bucket import RemoteStore
 
 log = _log.get("store")
 

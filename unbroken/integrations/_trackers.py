@@ -20,12 +20,12 @@ import os
 import secrets
 from typing import TYPE_CHECKING, Any
 
-from ._errors import ConfigError
+from .._errors import ConfigError
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
-    from .train import Run
+    from ..train import Run
 
 WANDB_ID_FILE = "wandb-run-id"
 TENSORBOARD_DIR = "tensorboard"

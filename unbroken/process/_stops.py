@@ -2,8 +2,8 @@
 
 A launcher between the supervisor and the ranks loses their exit code: torchrun exits 1 when
 its ranks exit 75 ("saved and stopped, relaunch me"). So a process that stops that way also
-writes a marker into the launch's stop directory (:mod:`unbroken._protocol`: set per launch by
-``unbroken run`` and ``unbroken verify``), and the launcher of the job reads them: when every
+writes a marker into the launch's stop directory (:mod:`unbroken.process._protocol`: set per launch
+by ``unbroken run`` and ``unbroken verify``), and the launcher of the job reads them: when every
 rank wrote one, the launch stopped resumably whatever the launcher's exit code says. A marker
 is written after the stop's checkpoint committed (the commit is collective: every rank's part
 is in it), or by a process stopped while not training (nothing to save).
@@ -186,7 +186,7 @@ REFUSED = "standby-refused.json"
 
 
 def refuse(reason: str) -> None:
-    """In a deep warm standby that will not wait (train/_standby.py): say why, for the
+    """In a deep warm standby that will not wait (train/_as_standby.py): say why, for the
     supervisor, which keeps a shallow standby instead (never raises)."""
     where = os.environ.get(ENV)
     if where:
@@ -208,7 +208,7 @@ RUN_DIR_FILE = "run-dir.json"
 
 def tell_run_dir(run_dir: str) -> None:
     """Tell the launcher which run directory this launch trains in, beside the stop markers
-    (read with :func:`unbroken._shm.read_channel`, the format of a snapshot area's channel).
+    (read with :func:`unbroken.process._shm.read_channel`, the format of a snapshot area's channel).
     A supervisor with no snapshot area (``--no-snapshots``, or areas refused) has no other
     channel, and judges whether a crash made progress by that directory's checkpoints. Never
     raises: unknown, a crash counts as one without progress (retried with a backoff)."""

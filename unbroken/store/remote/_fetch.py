@@ -29,9 +29,9 @@ from typing import Any
 
 import xxhash
 
-from .._errors import CorruptCheckpointError
-from . import _format, _safeio
-from ._remote_reader import RemoteReader, _each, ranges
+from ..._errors import CorruptCheckpointError
+from .. import _format, _safeio
+from ._object_reader import RemoteReader, _each, ranges
 
 DATA_PREFIX = "tensors-r"
 """Data files (store/_format.data_file): their manifest checksum combines their chunks'."""

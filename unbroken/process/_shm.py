@@ -13,7 +13,7 @@ area is its *channel*, ``<area>.run``, a file the supervisor creates empty and i
 trainer writes its run directory (:func:`tell_run_dir`): where a snapshot is persisted comes
 from there, never from the snapshot itself. An area whose lock is free belongs to a supervisor
 that died (kill -9); the next supervisor of the same user persists what it holds and removes
-it (store/_snapshot.py). Before anything in an area is read, persisted or deleted, its owner,
+it (store/snapshot/_area.py). Before anything in an area is read, persisted or deleted, its owner,
 mode and identity are checked (:meth:`SupervisorArea.check`, :func:`stale_areas`).
 """
 

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 import xxhash
 
-from .._errors import UnsafeCheckpointError
-from . import _direct, _fsops, _layout, _par
-from ._format import ALIGN
-from ._staging import Stage
+from ..._errors import UnsafeCheckpointError
+from .. import _direct, _fsops, _layout, _par
+from .._format import ALIGN
+from .._host_buffers import Stage
 
 SLOTS = "slots"
 _EMPTY = xxhash.xxh3_64_hexdigest(b"")

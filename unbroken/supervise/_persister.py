@@ -48,7 +48,7 @@ class Persister:
         # kernel kills it before the trainer (its ~330 MB are torch's; the supervisor persists
         # a snapshot itself when it is gone).
         code = f"import sys; sys.path.insert(0, {_PACKAGE_PARENT!r}); "
-        code += "from unbroken.cli._persister import main; main()"
+        code += "from unbroken.supervise._persister import main; main()"
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", code],
@@ -62,11 +62,11 @@ class Persister:
             self.proc = None  # persist() imports in the supervisor then
 
     def persist(self, area: str, run_dir: str) -> int | None:
-        """Persist ``area``'s newest snapshot into ``run_dir`` (store/_snapshot.py ``persist``);
-        its step, or None when nothing newer was there. Raises PersistFailed."""
+        """Persist ``area``'s newest snapshot into ``run_dir`` (store/snapshot/_area.py
+        ``persist``); its step, or None when nothing newer was there. Raises PersistFailed."""
         proc = self.proc
         if proc is None or proc.poll() is not None or proc.stdin is None or proc.stdout is None:
-            from ..store._snapshot import persist  # the helper is gone: do it here
+            from ..store.snapshot._area import persist  # the helper is gone: do it here
 
             return persist(area, run_dir, wait=LOCK_WAIT)
         try:
@@ -97,7 +97,7 @@ class Persister:
 
 
 def serve(requests: IO[str], answers: IO[str]) -> None:
-    from ..store._snapshot import persist
+    from ..store.snapshot._area import persist
 
     for line in requests:
         area, run_dir = json.loads(line)

@@ -1,12 +1,12 @@
 """In-memory snapshots: lose at most one step to a crash.
 
 Under ``unbroken run`` the supervisor gives the trainer a private area in shared memory
-(``/dev/shm/unbroken-<uid>/sup-...``, see unbroken/_shm.py for who may touch it) through
+(``/dev/shm/unbroken-<uid>/sup-...``, see unbroken/process/_shm.py for who may touch it) through
 :data:`ENV`. The trainer commits a snapshot there every ``snapshot_every`` steps -- a complete
 checkpoint, committed by the same store and commit protocol as a durable one (temporary name,
 manifest last, rename), so a snapshot is never torn: a kill during one leaves the previous one.
 Its tensor bytes go into one of two fixed slots per rank, allocated in full once and
-overwritten in place (store/_slots.py: never the slot the newest snapshot links), so a
+overwritten in place (store/snapshot/_slots.py: never the slot the newest snapshot links), so a
 snapshot costs about one ``copy_`` of the state and a hash: no disk, no fsync reaching a disk,
 no fresh tmpfs pages -- and no write can meet a full ``/dev/shm`` halfway (SIGBUS). When memory
 runs out anyway (allocating a slot, writing the JSON), snapshots are off for the rest of the
@@ -33,19 +33,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import _log, _shm
-from .._errors import CheckpointError, CheckpointWriteError, LockError
-from .._logfile import METRICS_FILE
-from .._shm import ENV as ENV
-from .._shm import SHM
-from . import _fsops, _layout, _manifest, _storage
-from ._entry import SNAPSHOT, Entry
-from ._lock import WriterLock
+from ..._errors import CheckpointError, CheckpointWriteError, LockError
+from ...process import _log, _shm
+from ...process._logfile import METRICS_FILE
+from ...process._shm import ENV as ENV
+from ...process._shm import SHM
+from .. import _fsops, _layout, _manifest, _storage
+from .._entry import SNAPSHOT, Entry
+from .._lock import WriterLock
+from .._reader import CheckpointReader
+from .._safeio import safe_file, safe_name
+from .._store import CheckpointStore, Retention
 from ._nodes import NodeLayout, save_part
-from ._reader import CheckpointReader
-from ._safeio import safe_file, safe_name
 from ._slots import Slots
-from ._store import CheckpointStore, Retention
 
 log = _log.get()
 
@@ -86,7 +86,7 @@ class SnapshotArea:
         self.slots = Slots(root)
         self.disabled: str | None = None
         self._told: str | None = None
-        # A job over several nodes: this node's part of each snapshot (store/_nodes.py).
+        # A job over several nodes: this node's part of each snapshot (store/snapshot/_nodes.py).
         self.layout: NodeLayout | None = None
         self.group: Any = None
 
@@ -240,7 +240,7 @@ class SnapshotArea:
 
 
 def _is_rank0() -> bool:
-    from .. import _dist
+    from ... import _dist
 
     return _dist.rank() == 0
 
@@ -292,8 +292,8 @@ def _acquire(lock: WriterLock, area: str, wait: float) -> None:
 
 def _persist_newest(candidates: list[tuple[int, str]], run_dir: str) -> int | None:
     """Commit the newest candidate whose copy verifies; the others are reported and skipped. A
-    node's part of a snapshot (store/_nodes.py) is added to the merge of that snapshot in the
-    run directory, committed by whichever supervisor completes it."""
+    node's part of a snapshot (store/snapshot/_nodes.py) is added to the merge of that snapshot in
+    the run directory, committed by whichever supervisor completes it."""
     for step, path in candidates:
         try:
             snap = CheckpointReader(path)

@@ -38,7 +38,7 @@ def get(name: str = "") -> logging.Logger:
 
 def this_rank() -> int:
     if "torch.distributed" in sys.modules:  # else no process group can exist: torch-free tools
-        from . import _dist
+        from .. import _dist
 
         if _dist.active():
             return _dist.rank()

@@ -13,7 +13,7 @@ import enum
 import signal
 from dataclasses import dataclass
 
-from .._exit import EXIT_FAILURE, EXIT_OK, EXIT_RESUMABLE
+from ..process._exit import EXIT_FAILURE, EXIT_OK, EXIT_RESUMABLE
 
 # Stop signals: the supervisor passes each on to the child and then relaunches nothing.
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
@@ -51,8 +51,8 @@ class Action(enum.Enum):
 class Failure:
     """What a crash was, when the process could tell: an uncaught exception (its type and the
     innermost frame of its traceback, from the record the trainer's ``sys.excepthook`` left;
-    :func:`unbroken._stops.record_crash`) or a fault signal. Two crashes are the same failure
-    when ``kind`` and ``where`` are equal; the message is only for the reader."""
+    :func:`unbroken.process._stops.record_crash`) or a fault signal. Two crashes are the same
+    failure when ``kind`` and ``where`` are equal; the message is only for the reader."""
 
     kind: str
     """The exception's type (``NameError``, ``torch.OutOfMemoryError``) or a signal's name."""

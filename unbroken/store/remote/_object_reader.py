@@ -31,11 +31,12 @@ from typing import Any
 import torch
 import xxhash
 
-from .._errors import ConfigError, CorruptCheckpointError
-from . import _format, _manifest, _s3, _safeio, _table
-from ._format import Chunk
-from ._reader import CheckpointReader
-from ._table import Table
+from ..._errors import ConfigError, CorruptCheckpointError
+from .. import _format, _manifest, _safeio, _table
+from .._format import Chunk
+from .._reader import CheckpointReader
+from .._table import Table
+from . import _s3
 
 MAX_GAP = 1 << 20
 """Chunks apart by at most this many bytes are read by one GET, the bytes between them

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
-from .. import _log
+from ..process import _log
 from . import _seeding
 
 log = _log.get("data")

@@ -4,7 +4,7 @@ A relaunch used to pay for a new process -- the interpreter, ``import torch, unb
 script's own set-up before ``Run()`` -- before it could restore the snapshot. So once the
 trainer of attempt *n* has opened its ``Run`` (the command is an unbroken script, and the
 channel of the snapshot area says so), the supervisor starts attempt *n + 1* beside it: the
-environment attempt *n + 1* will have, and a pipe (:data:`unbroken._protocol.STANDBY`). When
+environment attempt *n + 1* will have, and a pipe (:data:`unbroken.process._protocol.STANDBY`). When
 attempt *n* ends and the policy relaunches, the supervisor persists the snapshot as before,
 writes "go", and adopts the waiting process as attempt *n + 1*; nothing in its environment
 changes. The next standby starts once that one has trained (a snapshot committed since its
@@ -16,10 +16,10 @@ How far it gets before it waits (``--standby``):
   the interpreter imports torch and unbroken, waits, and runs the script only when promoted.
   Nothing of the user's script runs anywhere but in the one process that trains.
 - ``deep`` (``run``, its old name): the command itself, whose first ``Run()`` waits
-  (:mod:`unbroken.train._standby`): the script's own set-up is saved too, but it runs beside
+  (:mod:`unbroken.train._as_standby`): the script's own set-up is saved too, but it runs beside
   the live trainer -- its side effects twice, its memory twice. It refuses (exits, leaving
-  :data:`unbroken._stops.REFUSED`) when the script initialised CUDA before ``Run()``, and the
-  supervisor keeps a shallow standby instead.
+  :data:`unbroken.process._stops.REFUSED`) when the script initialised CUDA before ``Run()``, and
+  the supervisor keeps a shallow standby instead.
 
 ``torchrun --standalone`` gets a standby torchrun whose workers wait before the script
 (:func:`._warm.torchrun_command`; the imports depth whatever ``--standby`` says, short of off):
@@ -47,7 +47,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from .. import _protocol, _shm, _stops, _tree
+from ..process import _protocol, _shm, _stops, _tree
 from . import _job, _warm
 
 LAUNCHERS = frozenset(
@@ -283,7 +283,7 @@ class Standby:
 
     def _refused(self) -> None:
         """A deep standby that exited at its wait point because the script had initialised
-        CUDA (train/_standby.py), or whose script failed before it got there (a set-up that
+        CUDA (train/_as_standby.py), or whose script failed before it got there (a set-up that
         cannot run twice: a fixed port bound, _stops.record_uncaught): keep a shallow one
         instead, at once, and say why in one line (the standby printed no traceback)."""
         spare = self.spare
@@ -418,7 +418,7 @@ class Standby:
 def _normal_priority(pids: list[int]) -> None:
     """Every thread of ``pids`` from ``SCHED_IDLE`` back to ``SCHED_OTHER``: a standby promoted
     while still setting up must not finish it on idle time (the machine may be busy with
-    others' work). The standby does the same for itself in ``Run()`` (train/_standby.py).
+    others' work). The standby does the same for itself in ``Run()`` (train/_as_standby.py).
     Until the promoted launch trained, a process of it that entered ``SCHED_IDLE`` on its own
     is lifted too: a brief window, and a trainer's set-up is no place for idle time."""
     for pid in pids:
@@ -442,7 +442,7 @@ def _end(spare: _job.Launch, pipe: int, fifo: str | None) -> None:
 
 def _close(fd: int, fifo: str | None) -> None:
     """The write end closed (EOF for every reader: the supervisor is done with it) and the
-    FIFO, if any, removed (a worker that opens it after that exits, see train/_standby.py)."""
+    FIFO, if any, removed (a worker that opens it after that exits, see train/_as_standby.py)."""
     os.close(fd)
     if fifo is not None:
         try:

@@ -1,8 +1,8 @@
 """The warm standby's side of ``Run()`` (docs/supervise.md, "Warm standby").
 
 ``unbroken run`` starts a second process beside the trainer, with the next attempt's
-environment plus :data:`unbroken._protocol.STANDBY`: the read end of a pipe. By default it is a
-Python interpreter that waits here *before* the user's script (``cli/_warm.py``); with
+environment plus :data:`unbroken.process._protocol.STANDBY`: the read end of a pipe. By default it
+is a Python interpreter that waits here *before* the user's script (``supervise/_warm.py``); with
 ``--standby deep`` it is the same command, which runs the script as usual -- imports, data,
 model -- and whose first ``Run()`` waits here, *before* it locks the run directory or reads a
 checkpoint, so it touches nothing the trainer owns. When the trainer dies the supervisor
@@ -12,7 +12,7 @@ otherwise before killing the standby): exit 75 and touch nothing.
 
 A deep standby whose script initialised CUDA before ``Run()`` does not wait: it would hold a
 second CUDA context (and whatever the script put on the GPU) beside the trainer's for as long
-as it waits. It leaves its reason in its stop directory (:func:`unbroken._stops.refuse`) and
+as it waits. It leaves its reason in its stop directory (:func:`unbroken.process._stops.refuse`) and
 exits 75; the supervisor keeps a shallow standby instead.
 
 A standby torchrun's workers inherit no fd (torchrun closes them), so theirs is a FIFO in the
@@ -40,9 +40,9 @@ import sys
 import time
 from collections.abc import Callable
 
-from .. import _signals, _stops
-from .._exit import EXIT_RESUMABLE
-from .._protocol import STANDBY, ProcessContext
+from ..process import _signals, _stops
+from ..process._exit import EXIT_RESUMABLE
+from ..process._protocol import STANDBY, ProcessContext
 
 log = logging.getLogger("unbroken.run")
 
@@ -55,7 +55,7 @@ WAITING = b"standby-waiting"
 _asked = False  # only the first Run() of a process waits
 at_first_run: Callable[[], None] | None = None
 """Called by the first ``Run()`` of a process that waited before its script (the shallow
-standby, promoted: ``cli/_warm.py`` sets it), then forgotten."""
+standby, promoted: ``supervise/_warm.py`` sets it), then forgotten."""
 
 
 def wait_for_turn() -> None:

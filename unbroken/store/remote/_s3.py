@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .._errors import ConfigError, RemoteStoreError
-from . import _par
+from ..._errors import ConfigError, RemoteStoreError
+from .. import _par
 
 SCHEME = "s3://"
 PART_BYTES = 8 << 20
