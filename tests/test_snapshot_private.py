@@ -251,7 +251,7 @@ SUPERVISOR = textwrap.dedent(
     import sys, time
     sys.path.insert(0, {repo!r})
     from tests._store_helpers import make_registry, train
-    from unbroken import _shm
+    from unbroken.process import _shm
     from unbroken.store.snapshot._area import SnapshotArea
     area = _shm.SupervisorArea.create(sys.argv[1])
     snaps = SnapshotArea(area.path)
