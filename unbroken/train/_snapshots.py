@@ -245,7 +245,10 @@ class Snapshots:
         self._step_s = step_seconds or 0.0
         payload, meta = collect()
         meta = {**meta, "run_dir": self.run_dir, "snapshot": True}
-        if self.taken and self._background:
+        # A GPU's tensors stay in the step's path (staged through pinned buffers, as before):
+        # the thread's copy would be ordered after its own stream, not after the stream the
+        # training stepped on.
+        if self.taken and self._background and not _on_gpu(payload.tensors.values()):
             job = self._start(step, payload, meta)
             job.cost = time.thread_time() - c1
             return time.perf_counter() - t0
@@ -469,6 +472,10 @@ class Snapshots:
             return reader
         log.info("unbroken: reading step %d from the in-memory snapshot", reader.step)
         return snap
+
+
+def _on_gpu(tensors: Iterable[torch.Tensor]) -> bool:
+    return any(t.device.type != "cpu" for t in tensors)
 
 
 def _ptr(t: torch.Tensor) -> int:
