@@ -9,6 +9,7 @@ logs record by record.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from unbroken import EXIT_RESUMABLE, read_metrics
+from unbroken.process import _tree
 from unbroken.store import CheckpointStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,42 +45,17 @@ def launch(script: str | Path, args: list[str], timeout: float = 180) -> int:
     return proc.returncode
 
 
-def children(pid: int) -> list[int]:
-    """The pids of ``pid``'s child processes (Linux /proc)."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        return []
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
-
-
 def is_persister(pid: int) -> bool:
     """Whether ``pid`` is an ``unbroken run`` supervisor's persister process
     (supervise/_persister.py), the supervisor's child beside the command it runs."""
-    return b"unbroken.supervise._persister" in _cmdline(pid)
+    return b"unbroken.supervise._persister" in _tree.cmdline(pid)
 
 
 def attempt_of(pid: int) -> int | None:
     """``UNBROKEN_ATTEMPT`` in the environment ``pid`` was started with (None: unreadable, say
     while it is in the middle of ``exec``)."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = f.read().split(b"\0")
-    except OSError:
-        return None
-    for var in env:
-        if var.startswith(b"UNBROKEN_ATTEMPT="):
-            value = var.split(b"=", 1)[1]
-            return int(value) if value.isdigit() else None
-    return None
+    value = _tree.environ_value(pid, "UNBROKEN_ATTEMPT")
+    return int(value) if value is not None and value.isdigit() else None
 
 
 def launches(pid: int) -> list[int]:
@@ -86,8 +64,8 @@ def launches(pid: int) -> list[int]:
     whose command line reads empty is exiting (a zombie has none): it is no launch, and it may
     well be the persister the supervisor is closing."""
     kids = []
-    for p in children(pid):
-        cmdline = _cmdline(p)
+    for p in _tree.children(pid):
+        cmdline = _tree.cmdline(p)
         if cmdline and b"unbroken.supervise._persister" not in cmdline:
             kids.append(p)
     return sorted(kids, key=lambda p: (attempt_of(p) or 1 << 30, p))
@@ -108,10 +86,8 @@ def tree_report(pid: int) -> str:
     """``pid`` and its descendants, one line each -- state, kernel wait channel, scheduling
     policy of every thread (5: SCHED_IDLE), command line -- for the message of a test that
     timed out: where a hung job hangs."""
-    from unbroken.process._tree import descendants
-
     lines = []
-    for p in [pid, *descendants(pid)]:
+    for p in [pid, *_tree.descendants(pid)]:
         try:
             with open(f"/proc/{p}/stat", "rb") as f:
                 state = f.read().rsplit(b")", 1)[1].split()[:2]
@@ -125,7 +101,7 @@ def tree_report(pid: int) -> str:
                     pass
         except OSError:
             continue
-        cmd = _cmdline(p).replace(b"\0", b" ").decode(errors="replace")[:160]
+        cmd = _tree.cmdline(p).replace(b"\0", b" ").decode(errors="replace")[:160]
         ppid = state[1].decode()
         lines.append(f"{p} (parent {ppid}) {state[0].decode()} {wchan} {sorted(policies)} {cmd}")
     return "\n".join(lines)
@@ -221,6 +197,38 @@ def assert_identical(ref_dir: Path, other_dir: Path, ignore: tuple[str, ...] = (
     assert len(ma) == len(mb), f"{len(ma)} vs {len(mb)} logged steps"
     for a, b in zip(ma, mb, strict=True):
         assert a == b, f"step {a.get('step')} logged {a} vs {b}"
+    oracle_identical(ref_dir, other_dir)
+
+
+def _oracle(run_dir: Path) -> tuple[dict[str, torch.Tensor], Any, list[str]]:
+    folder = run_dir / "oracle"
+    tensors = load_file(str(folder / "final.safetensors"))
+    values = json.loads((folder / "final.json").read_text())
+    return tensors, values, (folder / "losses.txt").read_text().splitlines()
+
+
+def oracle_identical(ref_dir: Path, other_dir: Path) -> bool:
+    """The scripts' own record of how they ended (tests/scripts/_oracle.py), read back with the
+    safetensors library and plain JSON, not through unbroken: every tensor of the model,
+    optimizer, EMA, ..., every other value of their state, and one loss per step, 1..N.
+    False when the script leaves no record (it does not use the oracle); a record on one side
+    only fails."""
+    have = [(d / "oracle" / "final.safetensors").exists() for d in (ref_dir, other_dir)]
+    if not any(have):
+        return False
+    assert all(have), (
+        f"only one run left its final state: {ref_dir}: {have[0]}, {other_dir}: {have[1]}"
+    )
+    ta, va, la = _oracle(ref_dir)
+    tb, vb, lb = _oracle(other_dir)
+    assert ta.keys() == tb.keys(), f"final tensors differ: {sorted(ta.keys() ^ tb.keys())}"
+    diff = [k for k in ta if ta[k].dtype != tb[k].dtype or not torch.equal(ta[k], tb[k])]
+    assert not diff, f"final tensors differ (the scripts' own dump): {diff[:10]}"
+    assert va == vb, f"final values differ: {sorted(k for k in va if va[k] != vb.get(k))[:10]}"
+    steps = [int(line.split()[0]) for line in la]
+    assert steps == list(range(1, len(la) + 1)), f"the reference's loss list has gaps: {steps}"
+    assert la == lb, f"per-step losses differ: {sorted(set(la) ^ set(lb))[:4]}"
+    return True
 
 
 def logged_steps(run_dir: Path) -> list[int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import TOY
-from tests.golden import assert_identical, run_interrupted
+from tests.golden import assert_identical, oracle_identical, run_interrupted
 
 STEPS = 24
 
@@ -86,6 +86,8 @@ def test_many_interruptions_epochs_style(tmp_path, reference_runs):
     ref = reference_runs(args)
     run_interrupted(TOY, args, tmp_path, [(3, "KILL"), (12, "TERM"), (16, "KILL"), (20, "INT")])
     assert_identical(ref, tmp_path)
+    # The script's own record was compared too, not only what unbroken's reader reads back.
+    assert oracle_identical(ref, tmp_path)
 
 
 def test_protocol_dataset_and_usr1(tmp_path, reference_runs):

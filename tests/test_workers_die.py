@@ -14,8 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from tests.golden import ROOT, children
+from tests.golden import ROOT
 from unbroken import read_metrics
+from unbroken.process._tree import children
 from unbroken.store import WriterLock
 
 SCRIPT = ROOT / "tests" / "scripts" / "toy_train.py"

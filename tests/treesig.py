@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.golden import ROOT, assert_identical, children, final_state
+from tests.golden import ROOT, assert_identical, final_state
 from unbroken import EXIT_RESUMABLE, read_metrics
+from unbroken.process._tree import children
 from unbroken.store import CheckpointStore, scan
 
 SCRIPTS = ROOT / "tests" / "scripts"

@@ -21,6 +21,7 @@ import errno
 import json
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -29,6 +30,9 @@ import torch.nn.functional as F
 
 import unbroken
 from unbroken.store import _fsops
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.scripts._oracle import Oracle  # noqa: E402
 
 
 class Noisy(torch.utils.data.Dataset):
@@ -148,6 +152,7 @@ def main() -> None:
             save_file({k: v.contiguous() for k, v in tensors.items()}, a.dump_after_load)
         run.close()
         return
+    oracle = Oracle(a.run_dir, run.counters.step, write=rank == 0, full=full)
     me = a.signal_rank == "all" or int(a.signal_rank) == rank
     if a.signal_attempt is not None:
         me = me and os.environ.get("UNBROKEN_ATTEMPT") == str(a.signal_attempt)
@@ -171,9 +176,11 @@ def main() -> None:
                 _fsops.set_hook(_eio_on_write)
         if a.step_sleep:
             time.sleep(a.step_sleep * (2 if rank == 1 else 1))  # rank 1 is the slow one
+        oracle.step(run.counters.step + 1, loss)  # before run.step(), which may stop here
         run.step(loss=loss, samples=list(loader.last_indices))
         if a.signal_at is not None and run.counters.step == a.signal_at and me:
             os.kill(os.getpid(), getattr(signal, "SIG" + a.signal))
+    oracle.finish(model=getattr(run.model, "module", run.model), optimizer=run.optimizer, ema=ema)
     dist.barrier()
     # No destroy_process_group() or os._exit() here: unbroken's exit (unbroken._dist.clean_exit)
     # keeps gloo's teardown from aborting a finished rank, FSDP2's DTensors and mesh included.

@@ -24,6 +24,7 @@ import unbroken
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests import faults  # noqa: E402
+from tests.scripts._oracle import Oracle  # noqa: E402
 
 faults.install_from_env()  # a fault plan, when the test that launched this asked for one
 
@@ -138,6 +139,7 @@ def main() -> None:
                 return size
         return a.batch_size
 
+    oracle = Oracle(a.run_dir, run.counters.step)
     loader.batch_size = batch_size_for(run.counters.step)
     if a.signal_at == 0:
         os.kill(os.getpid(), getattr(signal, "SIG" + a.signal))
@@ -161,6 +163,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         sched.step()
         ema.update()
+        oracle.step(run.counters.step + 1, total)  # before run.step(), which may stop here
         run.step(
             loss=total,
             lr=sched.get_last_lr()[0],
@@ -192,6 +195,7 @@ def main() -> None:
                     micro = []
                 if run.done:
                     break
+    oracle.finish(**{k: v for k, v in comps.items() if k != "loader"})
 
 
 if __name__ == "__main__":

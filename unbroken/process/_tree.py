@@ -72,6 +72,35 @@ def descendants(root: int) -> list[int]:
     return out
 
 
+def children(pid: int) -> list[int]:
+    """``pid``'s children as the kernel lists them (exiting ones included), [] if gone: the
+    direct children of a supervisor or a launcher, where :func:`descendants` is the subtree."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def cmdline(pid: int) -> bytes:
+    """``pid``'s command line, NUL-separated; empty for a zombie, or once it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def environ_value(pid: int, name: str) -> bytes | None:
+    """``name`` in the environment ``pid`` was started with (None: unset, or unreadable, say
+    while it is in the middle of ``exec``)."""
+    prefix = f"{name}=".encode()
+    for var in _environ(pid).split(b"\0"):
+        if var.startswith(prefix):
+            return var[len(prefix) :]
+    return None
+
+
 def _environ(pid: int) -> bytes:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:

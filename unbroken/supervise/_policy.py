@@ -3,7 +3,7 @@
 ``classify(end) -> Verdict`` reads the facts of one attempt's end (exit status, the ranks' stop
 markers, what the supervisor forwarded); ``policy(verdict, ...) -> Decision`` decides from the
 verdict and the history of earlier attempts. Neither starts a process, sleeps or reads a file:
-``unbroken run`` (:mod:`._supervise`) gathers the facts and carries the decisions out, and the
+``unbroken run`` (:mod:`._supervisor`) gathers the facts and carries the decisions out, and the
 tests check every row of both tables in milliseconds.
 """
 
