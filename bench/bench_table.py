@@ -70,7 +70,7 @@ def main() -> None:
     a = p.parse_args()
     if a.quick:
         a.tensors, a.repeats = 10_000, 3
-    from tests.test_store_tables import _tiny_tensors
+    from tests.process.test_store_tables import _tiny_tensors
 
     variants = ["json.loads", "table", "ls", "inspect"]
     with tempfile.TemporaryDirectory() as tmp:

@@ -26,7 +26,7 @@ from tests.golden import (  # noqa: E402
     draw_stops,  # noqa: E402
     resume_steps,
 )
-from tests.test_ddp_world_sizes import SAVE_EVERY, STEPS, TOY, VARIANTS, _args  # noqa: E402
+from tests.e2e.test_ddp_world_sizes import SAVE_EVERY, STEPS, TOY, VARIANTS, _args  # noqa: E402
 
 
 def one(world: int, variant: str, ref: Path, cut: Path, seed: str) -> str:

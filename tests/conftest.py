@@ -41,34 +41,16 @@ def _launch_environment_unchanged() -> Iterator[None]:
     assert after == before, f"the test changed the launch environment: {before} -> {after}"
 
 
-# The fast tier (`./scripts/test.sh --fast`): modules whose tests run in this process, start no
-# other process and no server, and each take well under a second; about a minute in all.
-FAST_MODULES = frozenset(
-    {
-        "test_audit",
-        "test_choice",
-        "test_cli_umask",
-        "test_api_docs",
-        "test_config_api",
-        "test_data_streams",
-        "test_determinism",
-        "test_direct_writer",
-        "test_hooks",
-        "test_node_layout",
-        "test_parallel_copy",
-        "test_policy",
-        "test_rng_cuda",
-        "test_run",
-        "test_staging",
-        "test_store_corrupt",
-        "test_store_retention",
-        "test_triggers",
-        "test_untracked_parameter",
-    }
-)
+# The tiers are folders: tests/unit (in this process, no other process or server: the fast tier,
+# `./scripts/test.sh --fast`, about a minute), tests/process (real processes, signals, servers),
+# tests/e2e (whole training runs interrupted and compared bit for bit). A marker per tier, so
+# `-m unit` works on the whole suite too.
+TIERS = ("unit", "process", "e2e")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
     for item in items:
-        if item.path.stem in FAST_MODULES:
-            item.add_marker(pytest.mark.fast)
+        tier = item.path.relative_to(here).parts[0] if item.path.is_relative_to(here) else ""
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))

@@ -22,7 +22,7 @@ drawn over the reference's whole life (imports, resume, training, the final save
 ``UNBROKEN_SUPERVISED=1``, as under ``unbroken run``, through tests/scripts/supervised.py: the
 handlers exist from the script's first line (``import unbroken``).
 
-Used by tests/test_tree_signals.py (a few trials) and scripts/tree_signals.py (many).
+Used by tests/process/test_tree_signals.py (a few trials) and scripts/tree_signals.py (many).
 """
 
 from __future__ import annotations

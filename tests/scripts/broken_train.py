@@ -1,4 +1,4 @@
-"""A tiny training loop with one deliberate resume bug, for tests/test_verify.py.
+"""A tiny training loop with one deliberate resume bug, for tests/e2e/test_verify.py.
 
     --bug none        everything tracked: resumes exactly
     --bug generator   input noise from a torch.Generator that is not passed to Run

@@ -1,4 +1,4 @@
-"""The toy run of tests/test_canonical.py: DDP (gloo) with or without canonical micro-shards.
+"""The toy run of tests/e2e/test_canonical.py: DDP (gloo) with or without canonical micro-shards.
 
 ``--shards K`` turns the mode on (0: plain DDP, whose gradient all-reduce sums in an order fixed
 by the world size). Composes dropout, AdamW, a warmup-cosine ``lr`` setting, gradient

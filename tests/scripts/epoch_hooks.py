@@ -1,4 +1,4 @@
-"""on_epoch_start under gradient accumulation, for tests/test_epoch_start.py (issue 17).
+"""on_epoch_start under gradient accumulation, for tests/e2e/test_epoch_start.py (issue 17).
 
 10 samples in batches of 3 make 4 batches an epoch (3, 3, 3, 1), so with ``--accum`` 2 or 3
 many steps' micro-batches span an epoch boundary. Every step logs the epochs whose

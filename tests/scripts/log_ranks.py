@@ -1,4 +1,4 @@
-"""A tiny DDP run (gloo, CPU) for tests/test_logging.py: what each rank logs.
+"""A tiny DDP run (gloo, CPU) for tests/process/test_logging.py: what each rank logs.
 
 ``--steps N``: train to step N, saving every 2; ``--stop-at K``: rank 0 sends itself SIGTERM in
 step K (both ranks stop together, exit 75); ``--configure``: ``logging.basicConfig`` at INFO with

@@ -2,7 +2,7 @@
 batches; prints one JSON line: each worker's exit code once signalled (``None``: alive), what torch
 raised here meanwhile and, when the workers lived, every batch.
 
-Run in a process of its own (``tests/test_workers_protected.py``): what torch does after an
+Run in a process of its own (``tests/process/test_workers_protected.py``): what torch does after an
 unprotected worker died varies -- it raises "DataLoader worker exited unexpectedly", raises
 ``EOFError`` from a shared-memory handoff the dead worker was serving, or waits forever on a
 lock the worker held when it died -- so this script reports the deaths themselves and leaves

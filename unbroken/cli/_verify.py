@@ -24,6 +24,14 @@ metrics log; fields that measure time (train_seconds, the Trainer's *_runtime an
 and the exact component and key that differ, where the runs part relative to the resumes,
 and hints at the likely cause, ranked from there.
 
+The interrupted run trains beside the reference where the machine has 2 cores or more
+(--one-at-a-time: after it), planned from the max_steps and save_every its Run reports. Its
+first launch, which is also the one killed during a save, starts CMD as a new process; the
+reference and the relaunches after a SIGKILL or SIGTERM are forked from an interpreter that
+imported torch once, as new processes that resume from the run directory (--no-fork: every
+launch a new process; only `python SCRIPT.py ...` and `python -m MODULE ...` can be forked).
+The report says which launch was which.
+
 CMD must use unbroken.Run and take its run directory from the placeholder {{run_dir}} in its
 arguments (replaced by each run's directory) or from the environment variable
 {_protocol.RUN_DIR}. {_protocol.KEEP_ALL}=1 is set so that every checkpoint is kept. CMD must exit
@@ -59,6 +67,16 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--keep", action="store_true", help="keep the temp dir after a PASS")
     p.add_argument("--timeout", type=float, metavar="SEC", help="limit for both runs together")
+    p.add_argument(
+        "--no-fork",
+        action="store_true",
+        help="start every launch as a new process (default: relaunches forked, see above)",
+    )
+    p.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="run the interrupted run after the reference, not beside it (a GPU one run fills)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command")
@@ -100,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
             keep=args.keep,
             progress=None if args.quiet else progress,
             step_progress=bar,
+            fork=not args.no_fork,
+            side_by_side=False if args.one_at_a_time else None,
         )
     except (ConfigError, VerifyError) as e:
         if args.json:

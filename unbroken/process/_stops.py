@@ -206,15 +206,33 @@ def refusal(where: str) -> str | None:
 RUN_DIR_FILE = "run-dir.json"
 
 
-def tell_run_dir(run_dir: str) -> None:
+def tell_run_dir(run_dir: str, schedule: dict[str, int | None] | None = None) -> None:
     """Tell the launcher which run directory this launch trains in, beside the stop markers
     (read with :func:`unbroken.process._shm.read_channel`, the format of a snapshot area's channel).
     A supervisor with no snapshot area (``--no-snapshots``, or areas refused) has no other
     channel, and judges whether a crash made progress by that directory's checkpoints. Never
-    raises: unknown, a crash counts as one without progress (retried with a backoff)."""
+    raises: unknown, a crash counts as one without progress (retried with a backoff).
+
+    ``schedule`` (``max_steps``, ``save_every``) goes with it: ``unbroken verify`` plans its
+    interruptions from it while the reference run is still training (:func:`read_schedule`)."""
     where = os.environ.get(ENV)
     if where:
-        _write(where, RUN_DIR_FILE, {"run_dir": os.path.abspath(run_dir)}, "the run directory")
+        told = {"run_dir": os.path.abspath(run_dir), **(schedule or {})}
+        _write(where, RUN_DIR_FILE, told, "the run directory")
+
+
+def read_schedule(where: str) -> tuple[int, int | None] | None:
+    """``(max_steps, save_every)`` a launch told in ``where`` (:func:`tell_run_dir`), or None
+    while it has not, or when it trains without ``max_steps``."""
+    try:
+        with open(os.path.join(where, RUN_DIR_FILE), encoding="utf-8") as f:
+            told = json.load(f)
+    except (OSError, ValueError):
+        return None
+    total, every = told.get("max_steps"), told.get("save_every")
+    if not isinstance(total, int) or isinstance(total, bool) or total < 1:
+        return None
+    return total, every if isinstance(every, int) and every > 0 else None
 
 
 def read(where: str) -> list[dict[str, Any]]:

@@ -58,7 +58,7 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "float8_e5m2fnuz": 1,
 }
 """Every dtype a table may name, with its size in bytes: what validating a table needs, without
-torch (tests/test_store_tables.py checks it against torch's own dtypes)."""
+torch (tests/process/test_store_tables.py checks it against torch's own dtypes)."""
 
 if TYPE_CHECKING:
     DTYPES: dict[str, torch.dtype]

@@ -108,7 +108,7 @@ TORCHRUN_FLAGS = frozenset(
     | {"--virtual-local-rank", "--virtual_local_rank"}
 )
 """torchrun's options that take no value (torch 2.13; every other one takes one value, and
-``tests/test_standby_torchrun.py`` checks both sets against torchrun's own parser)."""
+``tests/process/test_standby_torchrun.py`` checks both sets against torchrun's own parser)."""
 _VALUED_NAMES = (
     "nproc-per-node rdzv-backend rdzv-endpoint rdzv-id rdzv-conf max-restarts monitor-interval "
     "start-method event-log-handler log-dir local-ranks-filter duplicate-stdout-filters "

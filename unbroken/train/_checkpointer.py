@@ -47,8 +47,10 @@ class Checkpointer:
         remote: str | None = None,
         remote_retention: Retention | None = None,
         remote_timeout: float | None = None,
+        schedule: dict[str, int | None] | None = None,
     ) -> None:
         self.dir, self.rank, self.events = run_dir, rank, events
+        self._schedule = schedule  # max_steps, save_every: told to the launcher (verify plans)
         self.store = CheckpointStore(run_dir, retention)
         self.lock = WriterLock(run_dir)
         self._snapshot_dir, self._snapshot_every = snapshot_dir, snapshot_every
@@ -74,7 +76,11 @@ class Checkpointer:
         _dist.set_report_dir(self.dir)  # where a timed-out collective names who did not answer
         _dist.barrier(what="start-up barrier")
         self.snapshots = Snapshots(
-            self._snapshot_dir, self._snapshot_every, rank=self.rank, run_dir=self.dir
+            self._snapshot_dir,
+            self._snapshot_every,
+            rank=self.rank,
+            run_dir=self.dir,
+            schedule=self._schedule,
         )
 
     def start(self, *, world_size: int, async_save: bool, resumed_from: int | None) -> None:

@@ -102,6 +102,7 @@ class Run:
             remote=cfg.remote,
             remote_retention=remote_retention(cfg, process),
             remote_timeout=cfg.remote_finish_timeout,
+            schedule={"max_steps": cfg.max_steps, "save_every": cfg.save_every},
         )
         self.store = self._checkpointer.store
         self._swap = ModelSwap(

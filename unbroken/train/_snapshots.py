@@ -161,7 +161,15 @@ class _Gate:
 
 
 class Snapshots:
-    def __init__(self, root: str | None, every: int | None, *, rank: int, run_dir: str) -> None:
+    def __init__(
+        self,
+        root: str | None,
+        every: int | None,
+        *,
+        rank: int,
+        run_dir: str,
+        schedule: dict[str, int | None] | None = None,
+    ) -> None:
         self.rank, self.run_dir = rank, run_dir
         self.area: SnapshotArea | None = None
         self.interval = every
@@ -196,7 +204,7 @@ class Snapshots:
             self.area.tell(run_dir)
         elif os.environ.get("LOCAL_RANK", "0") == "0":
             # No area (--no-snapshots, refused, off): the launch's stop directory is the channel.
-            _stops.tell_run_dir(run_dir)
+            _stops.tell_run_dir(run_dir, schedule)
 
     def _spread(self, root: str) -> None:
         """Ranks under several supervisors (one per node, each with its own area): each node

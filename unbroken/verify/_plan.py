@@ -29,8 +29,10 @@ def plan_interrupts(k: int, seed: int, total: int, save_steps: Sequence[int]) ->
     """K moments drawn from ``seed``, in step order; with K >= 2 one is a SIGKILL inside a save.
 
     Moments come after the first checkpoint when there is room (an earlier kill only restarts
-    from scratch); step targets alternate SIGKILL, SIGTERM, ... A moment is a target, not a
-    promise: a fast run may be a step or two further when the signal lands, or done.
+    from scratch); step targets alternate SIGKILL, SIGTERM, ... The SIGKILL inside a save comes
+    first where the steps after it leave room for the others: the first launch, a new process,
+    takes it, and verify forks the relaunches (_runner). A moment is a target, not a promise: a
+    fast run may be a step or two further when the signal lands, or done.
     """
     if k <= 0 or total < 2:
         return []
@@ -40,7 +42,11 @@ def plan_interrupts(k: int, seed: int, total: int, save_steps: Sequence[int]) ->
     save_target = None
     if k >= 2 and save_steps:
         later = [s for s in save_steps if s > first]
-        save_target = rng.choice(later or list(save_steps))
+        # Room after the save for the other moments, off its next two steps and the last two.
+        roomy = [s for s in later if total - 2 - (s + 3) >= k - 1]
+        save_target = rng.choice(roomy or later or list(save_steps))
+        if roomy:
+            lo = save_target + 1
     n_steps = k - (save_target is not None)
     pool = [t for t in range(lo, total) if t != save_target]
     # Where there is room, keep signals off the last two steps (a fast run may finish before

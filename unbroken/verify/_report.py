@@ -25,6 +25,9 @@ class Interruption:
     """The launch's exit code (negative: killed by that signal number; 75: saved and stopped)."""
     during_save: bool
     """A save was in progress when it died (its ``.tmp-step-*`` directory was left behind)."""
+    process: str = "process"
+    """How the launch it ended had started: ``process`` (the command, a new process) or
+    ``fork`` (forked from verify's pre-imported interpreter; see docs/verify.md)."""
 
 
 @dataclass(slots=True)
@@ -45,6 +48,13 @@ class VerifyReport(FirstDifferences):
     """Processes started for the interrupted run (interruptions + 1 when all went as planned)."""
     resumed_from: list[int] = field(default_factory=list)
     """The checkpoint step each relaunch resumed from (0: started afresh)."""
+    launched: list[str] = field(default_factory=list)
+    """How each launch of the interrupted run started, in order: ``process`` (the command as
+    a new process) or ``fork`` (forked from an interpreter that had imported torch)."""
+    reference_launched: str = "process"
+    """How the reference run started: ``process`` or ``fork``."""
+    side_by_side: bool = False
+    """The interrupted run trained beside the reference, not after it."""
     differences: list[Difference] = field(default_factory=list)
     """The first difference of each component and metric, earliest first."""
     hints: list[str] = field(default_factory=list)
@@ -74,6 +84,9 @@ class VerifyReport(FirstDifferences):
             "launches": self.launches,
             "interruptions": [asdict(i) for i in self.interruptions],
             "resumed_from": list(self.resumed_from),
+            "launched": list(self.launched),
+            "reference_launched": self.reference_launched,
+            "side_by_side": self.side_by_side,
             "first_difference": first.as_dict() if first else None,
             "first_metric_difference": metric.as_dict() if metric else None,
             "differences": [d.as_dict() for d in self.differences],
@@ -88,7 +101,13 @@ class VerifyReport(FirstDifferences):
     def summary(self) -> str:
         """The human-readable report (what ``unbroken verify`` prints)."""
         kills = [i for i in self.interruptions if i.exit_code != 0]  # not those too late
-        how = ", ".join(f"{i.signal} at {i.moment}" for i in kills) or "none"
+        how = (
+            ", ".join(
+                f"{i.signal} at {i.moment}" + (" (a fork)" if i.process == "fork" else "")
+                for i in kills
+            )
+            or "none"
+        )
         saves = sum(i.during_save for i in kills)
         lines = []
         if self.passed:
@@ -107,6 +126,12 @@ class VerifyReport(FirstDifferences):
             f"{self.launches} launches; resumed from "
             + (", ".join(map(str, self.resumed_from)) or "-")
         )
+        if self.launched:
+            ref = "forked" if self.reference_launched == "fork" else "a new process"
+            lines.append(
+                f"  launched: reference {ref}; interrupted run: "
+                f"{_launched(self.launched, self.side_by_side)}"
+            )
         steps = ", ".join(map(str, self.checkpoints_compared)) or "none"
         lines.append(
             f"  compared: checkpoints at steps {steps} (every tensor and all state), "
@@ -133,6 +158,20 @@ class VerifyReport(FirstDifferences):
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def _launched(kinds: list[str], side_by_side: bool) -> str:
+    """``launch 1, 3 new processes; 2, 4 forked from a pre-imported interpreter``."""
+    parts = []
+    for kind, one, many in (
+        ("process", "new process", "new processes"),
+        ("fork", "forked (pre-imported torch)", "forked (pre-imported torch)"),
+    ):
+        ids = [str(i) for i, k in enumerate(kinds, 1) if k == kind]
+        if ids:
+            parts.append(f"{', '.join(ids)} {many if len(ids) > 1 else one}")
+    where = "beside the reference" if side_by_side else "after the reference"
+    return f"launch {'; '.join(parts)}; {where}"
 
 
 NONDET = (

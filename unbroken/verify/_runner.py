@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from ..process._exit import EXIT_OK, EXIT_RESUMABLE
 from ..process._logfile import METRICS_FILE, last_logged_step
 from ..store import _layout
 from ._compare import compare_runs
+from ._forkserver import ForkServer, forkable
 from ._plan import Target, next_target, plan_interrupts
 from ._report import Interruption, VerifyReport, hints_for, parted
 from ._unverifiable import ScriptFailedError, VerifyError
@@ -49,6 +51,8 @@ Progress = Callable[[str], None]
 StepProgress = Callable[[str, int, "int | None"], None]
 """``(label, last logged step, total steps or None)``, about twice a second while a launch runs."""
 _TICK = 0.5
+PROCESS, FORK = "process", "fork"
+"""How a launch started: the command as a new process, or forked from the fork server."""
 
 
 def verify_resume(
@@ -64,6 +68,8 @@ def verify_resume(
     keep: bool = False,
     progress: Progress | None = None,
     step_progress: StepProgress | None = None,
+    fork: bool = True,
+    side_by_side: bool | None = None,
 ) -> VerifyReport:
     """Check that ``cmd``, interrupted and relaunched, ends exactly like an uninterrupted run.
 
@@ -82,12 +88,30 @@ def verify_resume(
     temporary directory, removed when the check passes unless ``keep``. ``progress`` gets a
     line per phase and launch; ``step_progress(label, step, total)`` the step a launch has
     logged, about twice a second (the CLI draws a bar with it).
+
+    What it costs: the interrupted run trains beside the reference (``side_by_side``; by
+    default where the machine has two cores or more), planned from the ``max_steps`` and
+    ``save_every`` its Run told (``step_progress`` then follows the interrupted run alone); the
+    reference and the relaunches after a SIGKILL or SIGTERM are forked from an interpreter that
+    imported torch once (``fork``; ``python SCRIPT`` and ``python -m MODULE`` commands), while
+    the interrupted run's first launch and the one killed during a save are new processes.
+    The report says which launch was which.
     """
     argv = _check_command(cmd)
     _check_options(interrupts, atol, rtol, timeout)
     work, owned = _prepare_work(work_dir)
     say = progress or (lambda _msg: None)
-    s = _Session(argv, work, None if timeout is None else time.monotonic() + timeout, say)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    if side_by_side is None:
+        side_by_side = _cores() >= 2
+    base = dict(os.environ)
+    if side_by_side and interrupts > 0 and "OMP_NUM_THREADS" not in base:
+        # Two runs of torch's default (a thread per core) on the same cores oversubscribe
+        # them, and OpenMP threads spinning for each other can make both slower than one
+        # after the other. Every launch of both runs gets the same setting.
+        base["OMP_NUM_THREADS"] = str(max(1, _cores() // 2))
+    ref = _Session(argv, work, deadline, say, base)
+    s = _Session(argv, work, deadline, say, base)
     s.tick = step_progress
     notes = []
     if not any(PLACEHOLDER in a for a in argv):
@@ -95,17 +119,68 @@ def verify_resume(
             f"no {PLACEHOLDER} in the command: it was told the run directory by the "
             f"environment variable {ENV_RUN_DIR}"
         )
-    t0 = time.perf_counter()
+    if fork and interrupts > 0 and forkable(argv) is not None:
+        # Started now: it imports torch while the reference run starts.
+        env = _protocol.verify_env(base, run_dir=work)
+        s.forks = ForkServer(argv[0], env, os.path.join(work, "forkserver.log"))
+        ref.forks = s.forks
+    elif fork and interrupts > 0:
+        notes.append(
+            "every launch a new process: only `python SCRIPT.py ...` and `python -m MODULE "
+            "...` commands are forked from a pre-imported interpreter"
+        )
     ref_dir = os.path.join(work, "reference")
-    total, save_steps = s.reference(ref_dir)
-    t1 = time.perf_counter()
-    plan = plan_interrupts(interrupts, seed, total, save_steps)
-    if interrupts > len(plan):
-        notes.append(f"{interrupts} interruptions asked for, {len(plan)} fit in {total} steps")
-    say("plan: " + (", ".join(f"SIG{t.signal} at {t.moment}" for t in plan) or "no interruption"))
     other_dir = os.path.join(work, "interrupted")
-    outcome = s.interrupted(other_dir, plan, total, save_steps)
-    t2 = time.perf_counter()
+    ref_thread = _Background(ref.reference, ref_dir) if side_by_side and interrupts > 0 else None
+    if ref_thread is None:
+        ref.tick = step_progress  # side by side, progress follows the interrupted run alone
+    t0 = time.perf_counter()
+    try:
+        if ref_thread is not None:
+            ref_thread.start()
+            schedule = _wait_schedule(ref, ref_thread, notes)
+        else:
+            schedule = None
+        if schedule is None:  # plan from what the reference did, once it is done
+            total, save_steps = ref_thread.result() if ref_thread else ref.reference(ref_dir)
+            planned_from = None
+        else:
+            total, save_steps = schedule
+            planned_from = schedule
+            say(
+                f"planning from the reference's Run (max_steps={total}); the interrupted run "
+                "trains beside it"
+            )
+        t1 = time.perf_counter()
+        plan = plan_interrupts(interrupts, seed, total, save_steps)
+        if interrupts > len(plan):
+            notes.append(f"{interrupts} interruptions asked for, {len(plan)} fit in {total} steps")
+        say(
+            "plan: "
+            + (", ".join(f"SIG{t.signal} at {t.moment}" for t in plan) or "no interruption")
+        )
+        try:
+            outcome = s.interrupted(other_dir, plan, total, save_steps)
+        except BaseException:
+            if ref_thread is not None and ref_thread.error() is not None:
+                ref_thread.result()  # the reference's failure explains the chain's
+            raise
+        t2 = time.perf_counter()
+        if ref_thread is not None and planned_from is not None:
+            total, save_steps = ref_thread.result()
+            if (total, save_steps) != planned_from:
+                notes.append(
+                    f"the interruptions were planned from the Run's max_steps and save_every "
+                    f"({planned_from[0]} steps, saves at {planned_from[1]}); the reference ran "
+                    f"{total} steps, saved at {save_steps}"
+                )
+    finally:
+        if ref_thread is not None:
+            ref.aborted.set()
+            ref_thread.join()
+        if s.forks is not None:
+            s.forks.close()
+    t_ref = ref_thread.seconds if ref_thread is not None else t1 - t0
     say(f"comparing the runs in {work}")
     cmp = compare_runs(ref_dir, other_dir, atol=atol, rtol=rtol, ignore=ignore)
     report = VerifyReport(
@@ -118,6 +193,9 @@ def verify_resume(
         interruptions=outcome.interruptions,
         launches=outcome.launches,
         resumed_from=outcome.resumed_from,
+        launched=outcome.launched,
+        reference_launched=ref.launched,
+        side_by_side=ref_thread is not None,
         differences=cmp.differences,
         hints=hints_for(cmp, outcome.resumed_from),
         not_compared=cmp.not_compared,
@@ -126,9 +204,10 @@ def verify_resume(
         notes=notes + outcome.notes,
     )
     report.seconds = {
-        "reference": t1 - t0,
+        "reference": t_ref,
         "interrupted": t2 - t1,
         "compare": time.perf_counter() - t2,
+        "total": time.perf_counter() - t0,
     }
     if report.passed and owned and not keep:
         shutil.rmtree(work, ignore_errors=True)
@@ -184,22 +263,106 @@ def _prepare_work(work_dir: str | os.PathLike[str] | None) -> tuple[str, bool]:
     return work, False
 
 
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class _Background(threading.Thread):
+    """The reference run, beside the interrupted one: its result or its error, and its time."""
+
+    def __init__(self, fn: Callable[[str], tuple[int, list[int]]], run_dir: str) -> None:
+        super().__init__(name="unbroken-verify-reference", daemon=True)
+        self._fn, self._dir = fn, run_dir
+        self._result: tuple[int, list[int]] | None = None
+        self._error: BaseException | None = None
+        self.seconds = 0.0
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._result = self._fn(self._dir)
+        except BaseException as e:  # handed to the main thread by result()
+            self._error = e
+        self.seconds = time.perf_counter() - t0
+
+    def error(self) -> BaseException | None:
+        self.join(0)
+        return None if self.is_alive() else self._error
+
+    def result(self) -> tuple[int, list[int]]:
+        self.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+def _wait_schedule(
+    ref: _Session, thread: _Background, notes: list[str]
+) -> tuple[int, list[int]] | None:
+    """The reference's planned steps and save steps, as its Run told them (max_steps,
+    save_every) when it opened; None if it told no such thing before it ended (no
+    max_steps, saves by the clock) or it uses CUDA: the plan waits for the run then."""
+    where = os.path.join(ref.work, "stops", "reference-1")
+    while thread.is_alive():
+        told = _stops.read_schedule(where)
+        if told is not None:
+            total, every = told
+            if every is None:
+                return None
+            tree = ref._tree
+            if tree is not None and any(_uses_cuda(pid) for pid in tree.members()):
+                notes.append(
+                    "the reference run uses CUDA: the interrupted run trained after it, not "
+                    "beside it (one GPU's memory may not hold two runs)"
+                )
+                return None
+            return total, sorted({*range(every, total + 1, every), total})
+        time.sleep(0.01)
+    return None
+
+
+def _uses_cuda(pid: int) -> bool:
+    """The process has the CUDA driver loaded (torch loads it when it first uses CUDA)."""
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            return b"libcuda.so" in f.read()
+    except OSError:
+        return False
+
+
 @dataclass(slots=True)
 class _Outcome:
     interruptions: list[Interruption] = field(default_factory=list)
     launches: int = 0
+    launched: list[str] = field(default_factory=list)
     resumed_from: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
 class _Session:
-    def __init__(self, argv: list[str], work: str, deadline: float | None, say: Progress):
+    def __init__(
+        self,
+        argv: list[str],
+        work: str,
+        deadline: float | None,
+        say: Progress,
+        base: dict[str, str] | None = None,
+    ):
         self.argv, self.work, self.deadline, self.say = argv, work, deadline, say
+        self.base = dict(os.environ) if base is None else base  # the launches' environment
         self.tick: StepProgress | None = None
         self._live: tuple[str, str, int | None] = ("", "", None)  # label, run dir, total
         self._tree: _tree.Tree | None = None  # the current launch's processes
         self._stop_dir = ""  # where its ranks leave their stop markers
         self._killed_at: int | None = None  # the step logged when a SIGKILL had landed
+        self.forks: ForkServer | None = None  # relaunches fork from it (None: processes)
+        self._forks_ok: bool | None = None  # the server said it can fork (None: not asked)
+        self.aborted = threading.Event()  # the other run failed or verify is ending: stop
+        self.launched = PROCESS  # how the reference started
 
     def _show(self) -> None:
         label, run_dir, total = self._live
@@ -211,7 +374,10 @@ class _Session:
     def reference(self, run_dir: str) -> tuple[int, list[int]]:
         self.say(f"reference run (uninterrupted) in {run_dir}")
         t0 = time.perf_counter()
-        proc, log = self._start(run_dir, "reference", 1)
+        # Forked where it can be: the first launch of the interrupted run, a new process, is
+        # what shows a script that does not repeat itself from a new process on.
+        self.launched = FORK if self._can_fork([]) else PROCESS
+        proc, log = self._start(run_dir, "reference", 1, fork=self.launched == FORK)
         self._live = ("reference", run_dir, None)
         try:
             code = self._finish(proc, log)
@@ -255,7 +421,12 @@ class _Session:
                 )
             if out.launches > 1:
                 out.resumed_from.append(_latest_committed(run_dir))
-            proc, log = self._start(run_dir, "interrupted", out.launches)
+            # The first launch (from scratch: does the script repeat itself?) and the one to
+            # be killed during a save (the save path of the real command) are new processes.
+            real = out.launches == 1 or (target is not None and target.kind == "save")
+            how = PROCESS if real or not self._can_fork(out.notes) else FORK
+            out.launched.append(how)
+            proc, log = self._start(run_dir, "interrupted", out.launches, fork=how == FORK)
             self._live = (f"interrupted, launch {out.launches}", run_dir, total)
             try:
                 hit = None if target is None else self._watch(proc, run_dir, target, save_steps)
@@ -273,14 +444,14 @@ class _Session:
                 during = leftover is not None
                 sig = "SIG" + hit.signal
                 out.interruptions.append(
-                    Interruption(out.launches, sig, hit.moment, at, code, during)
+                    Interruption(out.launches, sig, hit.moment, at, code, during, how)
                 )
                 label += f"SIG{hit.signal} at {hit.moment}, "
                 if code == EXIT_OK:
                     out.notes.append(
                         f"SIG{hit.signal} at {hit.moment} came too late: the run had completed"
                     )
-            self.say(label + _exit_text(code, at, leftover))
+            self.say(label + _exit_text(code, at, leftover) + (" [forked]" if how == FORK else ""))
             if code == EXIT_OK:
                 break
             # A SIGKILL ends the launch however its launcher reports it (torchrun may see its
@@ -301,20 +472,35 @@ class _Session:
 
     # ---- processes ----------------------------------------------------------------------------
 
-    def _start(self, run_dir: str, name: str, launch: int) -> tuple[subprocess.Popen[bytes], IO]:
+    def _can_fork(self, notes: list[str]) -> bool:
+        if self.forks is not None and self._forks_ok is None:
+            left = self._remaining()
+            self._forks_ok = self.forks.ready(120 if left is None else max(min(left, 120), 1))
+            if not self._forks_ok:
+                notes.append(
+                    "the fork server could not start (forkserver.log in the work directory): "
+                    "every launch a new process"
+                )
+        return bool(self._forks_ok)
+
+    def _start(self, run_dir: str, name: str, launch: int, *, fork: bool = False) -> tuple[Any, IO]:
         argv = [a.replace(PLACEHOLDER, run_dir) for a in self.argv]
         tag = _tree.new_tag()
         self._stop_dir = os.path.join(self.work, "stops", f"{name}-{launch}")
-        env = _protocol.verify_env(os.environ, run_dir=run_dir)
+        env = _protocol.verify_env(self.base, run_dir=run_dir)
         env = _protocol.launch_env(env, job_tag=tag, stop_dir=self._stop_dir)
         self._killed_at = None
         log = open(os.path.join(self.work, f"{name}.log"), "ab")
         log.write(f"=== launch {launch}: {' '.join(argv)}\n".encode())
         log.flush()
         try:
-            proc = subprocess.Popen(
-                argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            if fork:
+                assert self.forks is not None
+                proc: Any = self.forks.spawn(argv, env, os.getcwd(), log.name)
+            else:
+                proc = subprocess.Popen(
+                    argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
         except OSError as e:
             log.close()
             raise VerifyError(f"could not start {argv[0]!r}: {e}") from e
@@ -352,7 +538,7 @@ class _Session:
                 f"log: {log_path}"
             )
 
-    def _signal(self, proc: subprocess.Popen[bytes], sig: int) -> None:
+    def _signal(self, proc: Any, sig: int) -> None:
         """Signal every process of the launch, as a scheduler does; a SIGKILL is repeated
         until none is left, and the step logged by then is remembered (_check_stopped)."""
         tree = self._tree or _tree.Tree(proc.pid, "")
@@ -362,28 +548,28 @@ class _Session:
             return
         tree.send(sig, tree.members())
 
-    def _reap(self, proc: subprocess.Popen[bytes]) -> None:
+    def _reap(self, proc: Any) -> None:
         if proc.poll() is None or (self._tree is not None and self._tree.members()):
             self._signal(proc, signal.SIGKILL)
         if proc.poll() is None:
             proc.wait()
 
     def _remaining(self) -> float | None:
+        if self.aborted.is_set():
+            return 0.0  # as a timeout: the launch is killed
         return None if self.deadline is None else self.deadline - time.monotonic()
 
-    def _finish(self, proc: subprocess.Popen[bytes], log: IO) -> int:
+    def _finish(self, proc: Any, log: IO) -> int:
         try:
             while True:
                 left = self._remaining()
                 if left is not None and left <= 0:
                     raise subprocess.TimeoutExpired(proc.args, 0)
-                tick = _TICK if self.tick is not None else None
-                wait = left if tick is None else (tick if left is None else min(tick, left))
+                # Never an unbounded wait: the run beside may fail, and this one must stop then.
+                wait = _TICK if left is None else min(_TICK, left)
                 try:
-                    return proc.wait(timeout=None if wait is None else max(wait, 0.01))
+                    return proc.wait(timeout=max(wait, 0.01))
                 except subprocess.TimeoutExpired:
-                    if tick is None:
-                        raise
                     self._show()
         except subprocess.TimeoutExpired:
             self._reap(proc)
@@ -392,7 +578,7 @@ class _Session:
             log.close()
 
     def _watch(
-        self, proc: subprocess.Popen[bytes], run_dir: str, target: Target, save_steps: list[int]
+        self, proc: Any, run_dir: str, target: Target, save_steps: list[int]
     ) -> Target | None:
         """Wait for the target moment and signal the process group; returns the moment it hit
         (a save seen only once committed moves the target to the next save), or None if the

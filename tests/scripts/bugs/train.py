@@ -1,6 +1,6 @@
 """The seeded-bug library: one tiny training script, one deliberate resume bug per ``--bug``.
 
-Each bug is a way a real script loses exactness on resume; tests/test_seeded_bugs.py checks
+Each bug is a way a real script loses exactness on resume; tests/e2e/test_seeded_bugs.py checks
 that unbroken catches every one -- at start-up where it can see it, else through
 ``verify_resume`` naming the component that diverges and the right hint first. ``--bug none``
 tracks everything and resumes exactly.

@@ -27,7 +27,7 @@ import pytest
 from unbroken import EXIT_RESUMABLE, read_metrics
 from unbroken.store import CheckpointStore
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 90.0
 STEPS = 15
 

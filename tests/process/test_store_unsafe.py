@@ -43,7 +43,7 @@ from unbroken.store import CheckpointReader, CheckpointStore
 REFUSED = (UnsafeCheckpointError, CorruptCheckpointError)
 TARGET = "model/0.weight"
 DATA = "tensors-r00000.bin"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")

@@ -138,7 +138,7 @@ def test_empty_tensors_and_empty_chunks(tmp_path: Path) -> None:
 
 # ---- bounded cost -------------------------------------------------------------------------------
 
-COST = Path(__file__).parent / "scripts" / "table_cost.py"
+COST = Path(__file__).parent.parent / "scripts" / "table_cost.py"
 TINY = 100_000
 
 

@@ -1,6 +1,6 @@
 """Remote checkpoints meet the same refusals as local ones, and the CLI reads s3:// URLs.
 
-Every crafted format-2 checkpoint of tests/test_store_unsafe.py (but the FIFO and symlink
+Every crafted format-2 checkpoint of tests/process/test_store_unsafe.py (but the FIFO and symlink
 cases: an object store has neither) is uploaded as it is -- bypassing unbroken's uploader, its
 manifest last -- beside a good older one. Opening it from the store must refuse it with the
 same error, naming the object, with no payload run; ``latest()`` must fall back past it.
@@ -20,13 +20,13 @@ import torch
 
 from tests._logs import logged
 from tests._store_helpers import assert_same, ckpt, make_run, restore
-from tests.test_remote import train
-from tests.test_store_unsafe import CASES, REFUSED
+from tests.process.test_remote import train
+from tests.process.test_store_unsafe import CASES, REFUSED
 from unbroken.cli import main
 from unbroken.store import CheckpointStore
 from unbroken.store.remote._bucket import RemoteStore
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REMOTE_CASES = [n for n in CASES if not n.startswith(("fifo-", "symlink-"))]
 
 

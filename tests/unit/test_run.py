@@ -23,7 +23,7 @@ import torch
 
 import unbroken
 from tests._logs import logged
-from tests.test_run_signals import Child
+from tests.process.test_run_signals import Child
 from unbroken import (
     EMA,
     CheckpointNotFoundError,
@@ -286,14 +286,14 @@ def _slow_steps(run: Run, seconds: float = 0.05, limit: int = 200) -> None:
 def test_time_limit_saves_and_exits_75_before_the_budget(tmp_path, runs, monkeypatch):
     d = tmp_path / "run"
     start = time.time()
-    # The budget counts from the process's start (tests/test_hardening_signals.py checks that
-    # in a fresh process); this long-lived test process starts it now instead.
+    # The budget counts from the process's start (tests/process/test_hardening_signals.py checks
+    # that in a fresh process); this long-lived test process starts it now instead.
     monkeypatch.setattr("unbroken.train._run.process_start", lambda: start)
     # Seconds of slack, not tenths: a loaded machine can deschedule a step or stretch the stop
     # save by a few hundred ms, and the promise tested is "before the budget", not "at once".
     run = runs(d, **_net(), time_limit=6, time_margin=2)
     # The stop is a WARNING record (stderr through logging.lastResort in a plain process:
-    # tests/test_run_signals.py and tests/test_logging.py read it there).
+    # tests/process/test_run_signals.py and tests/process/test_logging.py read it there).
     with logged() as said, pytest.raises(SystemExit) as ei:
         _slow_steps(run)
     assert ei.value.code == unbroken.EXIT_RESUMABLE == 75
@@ -812,7 +812,7 @@ class _NoBatches:
 
 def test_a_loader_with_empty_epochs_is_an_error_not_a_hang(tmp_path: Path) -> None:
     # (One empty pass is allowed: a distributed loader resumed at an epoch's very end may have
-    # too little left to split; tests/test_corpus.py covers that. Two in a row are an error.)
+    # too little left to split; tests/e2e/test_corpus.py covers that. Two in a row are an error.)
     model = torch.nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = _NoBatches()

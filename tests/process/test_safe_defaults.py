@@ -27,15 +27,14 @@ import pytest
 from tests.golden import (
     ROOT,
     assert_identical,
-    children,
     is_persister,
     launch,
     logged_steps,
     resume_steps,
     trainers,
 )
-from tests.test_standby import _lift, _release, _standby, _until
-from unbroken.process._tree import alive
+from tests.process.test_standby import _lift, _release, _standby, _until
+from unbroken.process._tree import alive, children
 from unbroken.supervise import _warm
 
 SCRIPT = ROOT / "tests" / "scripts" / "setup_effects.py"
@@ -322,7 +321,7 @@ def test_the_trainer_says_its_snapshot_interval(tmp_path: Path) -> None:
 
 def test_the_nodes_message_is_said_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
     """``in-memory snapshots across N nodes`` is a start-up decision too: on stderr, not at
-    INFO (a job over several nodes is tested in tests/test_multinode.py)."""
+    INFO (a job over several nodes is tested in tests/e2e/test_multinode.py)."""
     from unbroken.train._snapshots import say_nodes
 
     say_nodes(3)

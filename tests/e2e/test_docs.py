@@ -33,7 +33,8 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 # variable), a loop and run.step().
 RUN_DIR = re.compile(r"unbroken\.Run\(\s*(\"[^\"]+\"|os\.environ\[\"UNBROKEN_RUN_DIR\"\])")
 # Blocks that train but are not one resumable training script, and why. (The framework blocks
-# of integrations.md build no Run of their own: their golden tests are tests/test_integration_*.)
+# of integrations.md build no Run of their own: their golden tests are
+# tests/e2e/test_integration_*.)
 NOT_VERIFIED = {
     "resume.md#3": "damages its own checkpoint to show the error and start_over",
     "trackers.md#2": "runs two launches in one process and asserts its own hook log",

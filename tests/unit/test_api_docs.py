@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-API = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+API = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
 PACKAGES = [
     "unbroken",
     "unbroken.data",

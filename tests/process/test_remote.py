@@ -26,7 +26,7 @@ from unbroken.store import CheckpointStore, Retention
 from unbroken.store.remote._bucket import RemoteStore
 from unbroken.store.remote._s3 import PART_BYTES
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def train(run_dir, remote, steps=4, save_every=2, width=8, **kw):

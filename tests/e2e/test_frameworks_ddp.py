@@ -1,5 +1,6 @@
 """DDP inside PyTorch Lightning, the Hugging Face Trainer and Accelerate, at 3 ranks (gloo on
-CPU): bit for bit across a SIGKILL and a SIGTERM, like plain DDP (tests/test_ddp_world_sizes.py).
+CPU): bit for bit across a SIGKILL and a SIGTERM, like plain DDP
+(tests/e2e/test_ddp_world_sizes.py).
 
 A new DistributedDataParallel reduces its first backward in one flat bucket, then in buckets
 rebuilt in the order the gradients arrived. A relaunched process is a new DDP, so without

@@ -15,7 +15,7 @@ import sys
 import textwrap
 
 from tests._store_helpers import REPO, assert_same, make_registry, restore, snapshot, train
-from tests.test_snapshot import _expected, _no_rng
+from tests.process.test_snapshot import _expected, _no_rng
 from unbroken.store import CheckpointStore
 from unbroken.store.snapshot._area import SnapshotArea, persist
 
