@@ -1,4 +1,4 @@
-"""Resume cost of unbroken.DataLoader against the naive way, by position in the epoch.
+"""Resume cost of unbroken.MapLoader against the naive way, by position in the epoch.
 
 unbroken: a fresh loader, then ``load_state_dict(state at position p)`` and the first batch.
 naive:    a fresh ``torch.utils.data.DataLoader`` whose iterator skips ``p // batch_size``
@@ -49,7 +49,7 @@ class Cheap:
 
 def unbroken_resume(n: int, batch_size: int, workers: int, position: int) -> Callable[[], float]:
     def measure() -> float:
-        loader = unbroken.DataLoader(Cheap(n), batch_size, seed=0, num_workers=workers)
+        loader = unbroken.MapLoader(Cheap(n), batch_size, seed=0, num_workers=workers)
         state = {**loader.state_dict(), "epoch": 0, "position": position}
         t0 = time.perf_counter()
         loader.load_state_dict(state)

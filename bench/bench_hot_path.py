@@ -6,7 +6,7 @@ A small MLP (batch 64, steps of a few ms with one thread) over a dataset whose `
 adds noise from a *global* random stream (``--noise torch|numpy|python|none``), trained by
 
   plain      a hand-written loop over ``torch.utils.data.DataLoader(shuffle=True)``
-  unbroken   ``unbroken.Run`` + ``unbroken.DataLoader`` with default settings
+  unbroken   ``unbroken.Run`` + ``unbroken.MapLoader`` with default settings
              (``run.loop``, ``run.step(loss=loss)``; metrics log and signal handlers on)
 
 for each worker count in ``--workers``. With ``--char-lm``, the same comparison on
@@ -113,7 +113,7 @@ def with_unbroken(
     torch.manual_seed(0)
     model = mlp(dims)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    loader = unbroken.DataLoader(
+    loader = unbroken.MapLoader(
         data, batch, seed=0, num_workers=workers, persistent_workers=workers > 0
     )
     with unbroken.Run(
@@ -166,7 +166,7 @@ def char_lm_steps(workers: int, run_dir: str | None) -> Iterator[None]:
             for x, y in loader:
                 one(x, y)
                 yield
-    loader = unbroken.DataLoader(
+    loader = unbroken.MapLoader(
         data, 32, seed=0, num_workers=workers, persistent_workers=workers > 0
     )
     with unbroken.Run(
@@ -204,7 +204,7 @@ def fetch_costs(data: tud.Dataset[Any], batch: int, n: int, root: str) -> dict[s
     plain_it = iter(_forever(tud.DataLoader(data, batch_size=batch, shuffle=True)))
     model = nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = unbroken.DataLoader(data, batch, seed=0)
+    loader = unbroken.MapLoader(data, batch, seed=0)
     loss = torch.tensor(1.0)
     got: dict[str, list[float]] = {"plain": [], "unbroken": []}
     with unbroken.Run(

@@ -6,9 +6,9 @@ Part 1, per-step overhead: the same small MLP (1.3 M parameters, batch 64: steps
 with one thread) trained by
 
   hand                a hand-written loop over a ``torch.utils.data.DataLoader``
-  unbroken            ``unbroken.Run`` + ``unbroken.DataLoader`` (``run.epochs``,
+  unbroken            ``unbroken.Run`` + ``unbroken.MapLoader`` (``run.epochs``,
                       ``run.step(loss=loss)``; metrics log and signal handlers on; no saves)
-  unbroken_no_reseed  the same with ``DataLoader(reseed_globals=False)`` (no per-sample
+  unbroken_no_reseed  the same with ``MapLoader(reseed_globals=False)`` (no per-sample
                       reseeding of the global random streams)
 
 (and, in the per-component figures only, ``reseed_globals="torch"``: torch's stream alone)
@@ -99,11 +99,11 @@ def hand_steps(dims: list[int], data: tud.Dataset, batch: int) -> Iterator[None]
 def unbroken_steps(
     dims: list[int], data: tud.Dataset, batch: int, run_dir: str, reseed_globals: bool
 ) -> Iterator[None]:
-    """The same loop with unbroken.Run + unbroken.DataLoader (defaults otherwise)."""
+    """The same loop with unbroken.Run + unbroken.MapLoader (defaults otherwise)."""
     torch.manual_seed(0)
     model = mlp(dims)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = unbroken.DataLoader(data, batch, seed=0, reseed_globals=reseed_globals)
+    loader = unbroken.MapLoader(data, batch, seed=0, reseed_globals=reseed_globals)
     with unbroken.Run(
         run_dir, model=model, optimizer=opt, loader=loader, save_final=False, progress=False
     ) as run:
@@ -176,7 +176,7 @@ def unbroken_fetch(
     """(seconds of ``next(loader)``, seconds of ``run.step(loss=...)``) per batch."""
     model = nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = unbroken.DataLoader(data, batch, seed=0, reseed_globals=reseed_globals)
+    loader = unbroken.MapLoader(data, batch, seed=0, reseed_globals=reseed_globals)
     with unbroken.Run(
         run_dir, model=model, optimizer=opt, loader=loader, save_final=False, progress=False
     ) as run:
@@ -226,7 +226,7 @@ def throughput(
     torch.manual_seed(0)
     model = mlp(dims)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    loader = unbroken.DataLoader(data, batch, seed=0)
+    loader = unbroken.MapLoader(data, batch, seed=0)
     run_dir = tempfile.mkdtemp(prefix=f"{mode}-", dir=root)
     run = unbroken.Run(
         run_dir,
@@ -421,16 +421,16 @@ def main() -> None:
         print("| --- | ---: | ---: | ---: | ---: |")
         print(f"| hand-written loop, torch DataLoader | {ms['hand']:.2f} ms | - | - | - |")
         print(
-            f"| unbroken.Run + unbroken.DataLoader (default) | {ms['unbroken']:.2f} ms | "
+            f"| unbroken.Run + unbroken.MapLoader (default) | {ms['unbroken']:.2f} ms | "
             f"{o['overhead']:+.1%} | {o['added_ms']['unbroken']:.3f} ms | {o['estimate']:+.2%} |"
         )
         print(
-            "| unbroken.Run + unbroken.DataLoader(reseed_globals=False) | "
+            "| unbroken.Run + unbroken.MapLoader(reseed_globals=False) | "
             f"{ms['unbroken_no_reseed']:.2f} ms | {o['overhead_no_reseed']:+.1%} | "
             f"{o['added_ms']['unbroken_no_reseed']:.3f} ms | {o['estimate_no_reseed']:+.2%} |"
         )
         print(
-            '| unbroken.Run + unbroken.DataLoader(reseed_globals="torch") | - | - | '
+            '| unbroken.Run + unbroken.MapLoader(reseed_globals="torch") | - | - | '
             f"{o['added_ms']['unbroken_torch_only']:.3f} ms | {o['estimate_torch_only']:+.2%} |"
         )
         lo, hi = o["per_round_overhead_iqr"]

@@ -4,10 +4,10 @@
     .venv/bin/python bench/bench_stream.py --quick
 
 Part 1 writes ``--shards`` JSONL shards holding ``--records`` records in all (indexed once, as
-a first use would) and times a fresh ``unbroken.data.JsonlShards`` + ``unbroken.DataLoader``
+a first use would) and times a fresh ``unbroken.data.JsonlShards`` + ``unbroken.MapLoader``
 from ``load_state_dict`` at sample 10 and at sample 10^6 to its first batch, with 0 and 2
 workers (target: @1e6 <= 1.1x @1e1 -- no replay). Part 2 reads the same shards with 2 workers:
-``unbroken.DataLoader(JsonlShards)`` against a plain ``torch.utils.data.DataLoader`` over an
+``unbroken.MapLoader(JsonlShards)`` against a plain ``torch.utils.data.DataLoader`` over an
 ``IterableDataset`` that gives each worker every other shard and reads it line by line; and
 ``unbroken.data.IterableShards`` against a plain torch DataLoader over the *same* Hugging Face
 ``IterableDataset`` (``to_iterable_dataset(num_shards=...)``), when ``datasets`` is installed.
@@ -50,7 +50,7 @@ def write_shards(d: str, shards: int, records: int) -> list[str]:
 def resume(files: list[str], workers: int, pos: int, batch: int) -> Callable[[], float]:
     def measure() -> float:
         t = time.perf_counter()
-        loader = unbroken.DataLoader(
+        loader = unbroken.MapLoader(
             JsonlShards(files), batch, seed=0, num_workers=workers, reseed_globals=False
         )
         state = loader.state_dict()
@@ -132,7 +132,7 @@ def main() -> None:
     # ---- part 2: throughput with 2 workers ------------------------------------------------
     b = a.batch_size
     modes: dict[str, Callable[[], object]] = {
-        "unbroken_jsonl": lambda: unbroken.DataLoader(
+        "unbroken_jsonl": lambda: unbroken.MapLoader(
             JsonlShards(files), b, seed=0, num_workers=2, reseed_globals=False
         ),
         "plain_jsonl": lambda: tud.DataLoader(PlainShards(files), batch_size=b, num_workers=2),

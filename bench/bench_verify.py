@@ -13,6 +13,9 @@ average. Beside the wall-clock ratio, the CPU ratio (user + system seconds of ev
 each side ran, from getrusage): what the two sides cost a machine with no core to spare, where
 running side by side buys nothing. Last, one JSON line. Target: verify <= 1.5x one run (K = 3,
 same coverage), wall clock.
+
+``--baseline DIR`` (an unbroken source tree, e.g. ``git archive main | tar -x -C DIR``) also
+times that tree's ``unbroken verify`` in every repeat, next to this one, on the same load.
 """
 
 from __future__ import annotations
@@ -62,13 +65,14 @@ def plain(args: list[str]) -> tuple[float, float]:
 
 
 def verify(
-    args: list[str], interrupts: int, seed: int, extra: list[str]
+    args: list[str], interrupts: int, seed: int, extra: list[str], tree: Path = ROOT
 ) -> tuple[float, float, dict]:
     cmd = [sys.executable, "-m", "unbroken", "verify", "--json", "--quiet", *extra]
     cmd += ["--interrupts", str(interrupts), "--seed", str(seed), "--"]
     cmd += [sys.executable, str(SCRIPT), "--run-dir", "{run_dir}", *args]
     c0, t0 = cpu(), time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, env=env)
     took, used = time.perf_counter() - t0, cpu() - c0
     if not proc.stdout:
         raise SystemExit(f"unbroken verify failed:\n{proc.stderr[-3000:]}")
@@ -87,11 +91,15 @@ def main() -> None:
     p.add_argument(
         "--verify-args", default="", help="extra verify options, e.g. '--no-fork --one-at-a-time'"
     )
+    p.add_argument("--baseline", type=Path, help="another unbroken source tree to time too")
     a = p.parse_args()
     extra = a.verify_args.split()
     names = [a.only] if a.only else list(WORKLOADS)
     res: dict[str, dict[str, list]] = {
-        n: {k: [] for k in ("plain", "verify", "ratio", "cpu_ratio", "forked", "passed")}
+        n: {
+            k: []
+            for k in ("plain", "verify", "ratio", "cpu_ratio", "forked", "passed", "base", "bratio")
+        }
         for n in names
     }
     loads: list[float] = []
@@ -100,8 +108,15 @@ def main() -> None:
         for i, name in enumerate(names):
             args = WORKLOADS[name] + COMMON
             first_plain = (r + i) % 2 == 0
-            for what in ("plain", "verify") if first_plain else ("verify", "plain"):
-                if what == "plain":
+            order = ["plain", "verify"] if first_plain else ["verify", "plain"]
+            if a.baseline:
+                order.insert(1, "base")
+            for what in order:
+                if what == "base":
+                    took, _, report = verify(args, a.interrupts, r, extra, a.baseline)
+                    res[name]["base"].append(took)
+                    res[name]["passed"].append(bool(report.get("passed")))
+                elif what == "plain":
                     took, plain_cpu = plain(args)
                     res[name]["plain"].append(took)
                 else:
@@ -112,6 +127,13 @@ def main() -> None:
             x = res[name]
             x["ratio"].append(x["verify"][-1] / x["plain"][-1])
             x["cpu_ratio"].append(verify_cpu / plain_cpu)
+            if a.baseline:
+                x["bratio"].append(x["base"][-1] / x["plain"][-1])
+                print(
+                    f"repeat {r + 1} {name}: baseline verify {x['base'][-1]:.1f} s, "
+                    f"{x['bratio'][-1]:.2f}x",
+                    flush=True,
+                )
             print(
                 f"repeat {r + 1} {name}: plain {x['plain'][-1]:.1f} s, verify "
                 f"{x['verify'][-1]:.1f} s, {x['ratio'][-1]:.2f}x; CPU {plain_cpu:.1f} s vs "
@@ -139,6 +161,12 @@ def main() -> None:
             f"{spread(x['cpu_ratio'], '.2f')} | "
             f"{statistics.median(x['forked']):g} | {all(x['passed'])} |"
         )
+    if a.baseline:
+        print()
+        print(f"baseline ({a.baseline}): verify, s | verify / run")
+        for name in names:
+            x = res[name]
+            print(f"| {name} | {spread(x['base'])} | {spread(x['bratio'], '.2f')} |")
     print()
     out = {
         "bench": "verify",
@@ -162,6 +190,9 @@ def main() -> None:
             "ok": med <= TARGET,
             "all_passed": all(x["passed"]),
         }
+        if a.baseline:
+            out[name]["baseline_verify_s"] = round(statistics.median(x["base"]), 2)
+            out[name]["baseline_ratio"] = round(statistics.median(x["bratio"]), 3)
     print(json.dumps(out))
 
 

@@ -53,7 +53,7 @@ def main() -> int:
     data = Crops(CORPUS.read_text(encoding="utf-8"), a.context, stride=a.context // 2)
     if a.epoch_samples is not None:
         data.n = min(data.n, a.epoch_samples)
-    loader = unbroken.DataLoader(  # unbroken: instead of torch.utils.data.DataLoader
+    loader = unbroken.MapLoader(  # unbroken: instead of torch.utils.data.DataLoader
         data, batch_size=a.batch_size, shuffle=True, seed=a.seed, num_workers=a.workers
     )
     model = CharLM(len(data.chars), a.context, dim=a.dim, layers=1, heads=2)
@@ -85,7 +85,7 @@ def main() -> int:
     if accelerator.is_main_process:
         net = accelerator.unwrap_model(model)
         unbroken.export_weights(os.path.join(a.run_dir, "final.safetensors"), model=net)
-        trace = unbroken.write_trace(a.run_dir)  # RUN/trace.jsonl: step, epoch, loss, lr
+        trace = unbroken.train.write_trace(a.run_dir)  # RUN/trace.jsonl: step, epoch, loss, lr
         print(f"done: {run.counters.step} steps, final loss {trace[-1]['loss']:.4f}", flush=True)
     return 0
 

@@ -5,8 +5,8 @@
     torchrun --nproc_per_node 3 examples/char_lm.py --run-dir runs/c --canonical-shards 6
 
 With ``--canonical-shards K`` the global batch is cut into K shards fixed by the data and the
-gradient is summed over them in one order (``unbroken.CanonicalShards``), so every world size
-dividing K -- and a run resumed on another one -- ends with the very same bits.
+gradient is summed over them in one order (``unbroken.train.CanonicalGradients``), so every world
+size dividing K -- and a run resumed on another one -- ends with the very same bits.
 
 Stop it any way you like (Ctrl-C, ``kill``, ``kill -9``, a cluster's preemption) and run the same
 command again: it continues from the last checkpoint and ends exactly where an uninterrupted run
@@ -159,7 +159,7 @@ def main() -> int:
     amp = not a.no_amp
     scaler = torch.amp.GradScaler(a.device, enabled=amp)
     ema = unbroken.EMA(model, decay=0.99)  # unbroken
-    loader = unbroken.DataLoader(  # unbroken: a drop-in for torch's DataLoader; batch_size is
+    loader = unbroken.MapLoader(  # unbroken: in place of torch's DataLoader; batch_size is
         data,  # the global batch: each of the ranks gets its slice
         batch_size=a.batch_size,
         shuffle=True,
@@ -168,7 +168,7 @@ def main() -> int:
         drop_last=bool(shards),  # canonical shards: every batch is a multiple of K
     )
     # unbroken: shard k of each global batch is the same on every world size dividing K
-    canon = unbroken.CanonicalShards(net, shards, scaler=scaler) if shards else None
+    canon = unbroken.train.CanonicalGradients(net, shards, scaler=scaler) if shards else None
     tracked = {"canonical": canon} if canon is not None else {}
     run = unbroken.Run(  # unbroken: resumes here if RUN has a checkpoint
         a.run_dir,
@@ -216,7 +216,7 @@ def main() -> int:
     if rank != 0:
         return 0
     unbroken.export_weights(os.path.join(a.run_dir, "final.safetensors"), model=model, ema=ema)
-    trace = unbroken.write_trace(a.run_dir)  # RUN/trace.jsonl: step, epoch, loss, lr, ...
+    trace = unbroken.train.write_trace(a.run_dir)  # RUN/trace.jsonl: step, epoch, loss, lr, ...
     print(f"done: {run.counters.step} steps, final loss {trace[-1]['loss']:.4f}", flush=True)
     return 0
 

@@ -25,7 +25,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments, set_seed
 
 import unbroken  # unbroken (for export_weights/write_trace below)
-from unbroken.integrations import UnbrokenTrainer  # unbroken
+from unbroken.integrations import TransformersTrainer  # unbroken
 
 sys.path.insert(0, str(Path(__file__).parent))
 from char_lm import CORPUS, Crops  # noqa: E402 - the data of char_lm.py
@@ -101,7 +101,7 @@ def main() -> int:
     )
     held_out = Crops(CORPUS.read_text(encoding="utf-8"), a.context, stride=a.context // 2)
     held_out.n = min(held_out.n, 16)
-    trainer = UnbrokenTrainer(  # unbroken: was transformers.Trainer
+    trainer = TransformersTrainer(  # unbroken: was transformers.Trainer
         model=model,
         args=args,
         train_dataset=CharWindows(data),
@@ -112,7 +112,7 @@ def main() -> int:
     # GPT-2 ties lm_head to the token embedding; safetensors wants one copy of each tensor.
     weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     unbroken.export_weights(os.path.join(a.run_dir, "final.safetensors"), model=weights)
-    trace = unbroken.write_trace(a.run_dir)  # RUN/trace.jsonl: step, epoch, loss, lr
+    trace = unbroken.train.write_trace(a.run_dir)  # RUN/trace.jsonl: step, epoch, loss, lr
     print(
         f"done: {trainer.state.global_step} steps, final loss {trace[-1]['loss']:.4f}", flush=True
     )

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import unbroken  # unbroken
-from unbroken.integrations import LightningResume  # unbroken
+from unbroken.integrations import LightningCallback  # unbroken
 
 sys.path.insert(0, str(Path(__file__).parent))
 from char_lm import CORPUS, CharLM, Crops, lr_at  # noqa: E402 - the model and data of char_lm.py
@@ -71,7 +71,7 @@ def main() -> int:
     data = Crops(CORPUS.read_text(encoding="utf-8"), a.context, stride=a.context // 2)
     if a.epoch_samples is not None:
         data.n = min(data.n, a.epoch_samples)
-    loader = unbroken.DataLoader(  # unbroken: instead of torch.utils.data.DataLoader
+    loader = unbroken.MapLoader(  # unbroken: instead of torch.utils.data.DataLoader
         data, batch_size=a.batch_size, shuffle=True, seed=a.seed, num_workers=a.workers
     )
     model = LitCharLM(len(data.chars), a.context, a.dim, a.steps, a.lr)
@@ -83,12 +83,12 @@ def main() -> int:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[LightningResume(a.run_dir, save_every=a.save_every)],  # unbroken
+        callbacks=[LightningCallback(a.run_dir, save_every=a.save_every)],  # unbroken
     )
     trainer.fit(model, train_dataloaders=loader)
 
     unbroken.export_weights(os.path.join(a.run_dir, "final.safetensors"), model=model.net)
-    trace = unbroken.write_trace(a.run_dir)  # RUN/trace.jsonl: step, epoch, loss, lr
+    trace = unbroken.train.write_trace(a.run_dir)  # RUN/trace.jsonl: step, epoch, loss, lr
     print(f"done: {trainer.global_step} steps, final loss {trace[-1]['loss']:.4f}", flush=True)
     return 0
 

@@ -227,7 +227,7 @@ def main() -> int:
     if rank != 0:
         return 0
     unbroken.export_weights(os.path.join(a.run_dir, "final.safetensors"), model=model, ema=ema)
-    trace = unbroken.write_trace(a.run_dir)
+    trace = unbroken.train.write_trace(a.run_dir)
     model.eval()
     with ema.applied():
         source = text.text(0)[0]

@@ -113,26 +113,26 @@ def main() -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     ema = unbroken.EMA(model, decay=0.95)
     data = Teacher(a.samples)
-    loader = unbroken.DataLoader(data, batch_size=16, seed=0, num_workers=a.workers)
+    loader = unbroken.MapLoader(data, batch_size=16, seed=0, num_workers=a.workers)
 
     def on_epoch_start(ctx: Any) -> Any:
         if ctx.epoch == a.grow_epoch and ctx.stage["layers"] == 2:
             stage = {**ctx.stage, "layers": 4}
-            return unbroken.Change(model=grown(ctx.model, stage), stage=stage)
+            return unbroken.train.Change(model=grown(ctx.model, stage), stage=stage)
         return None
 
     def before_step(ctx: Any) -> Any:
         if ctx.step == a.widen_step and ctx.stage["width"] == 32:
             stage = {**ctx.stage, "width": 64}
-            return unbroken.Change(model=grown(ctx.model, stage), stage=stage)
+            return unbroken.train.Change(model=grown(ctx.model, stage), stage=stage)
         return None
 
-    settings = unbroken.Settings(
-        lr=unbroken.WarmupCosine(
+    settings = unbroken.train.Settings(
+        lr=unbroken.train.WarmupCosine(
             peak=3e-3, total=a.steps, warmup=min(10, a.steps // 4), final=1e-4
         ),
-        batch_size=unbroken.StepTable({0: 16, 40: 32, 80: 64}),
-        grad_accum=unbroken.EpochTable({0: 1, 3: 2}),
+        batch_size=unbroken.train.StepTable({0: 16, 40: 32, 80: 64}),
+        grad_accum=unbroken.train.EpochTable({0: 1, 3: 2}),
         clip=1.0,
     )
     run = unbroken.Run(
@@ -176,7 +176,7 @@ def main() -> int:
 
     final = os.path.join(a.run_dir, "final.safetensors")
     unbroken.export_weights(final, model=run.model, ema=run.ema)
-    unbroken.write_trace(a.run_dir)
+    unbroken.train.write_trace(a.run_dir)
     return 0
 
 

@@ -10,8 +10,8 @@ is a random window of a record's text, drawn from a generator seeded by (seed, e
 so the stream is the same for any ``--num-workers``, any world size and any resume point.
 ``--source`` picks how the shards are read -- the decision table of docs/data.md, in code:
 
-* ``jsonl``: ``unbroken.data.JsonlShards`` in ``unbroken.DataLoader`` (the default);
-* ``hf``: a Hugging Face ``datasets.Dataset`` built from the files, in ``unbroken.DataLoader``;
+* ``jsonl``: ``unbroken.data.JsonlShards`` in ``unbroken.MapLoader`` (the default);
+* ``hf``: a Hugging Face ``datasets.Dataset`` built from the files, in ``unbroken.MapLoader``;
 * ``hf-iterable``: that dataset as a sharded ``IterableDataset``, in
   ``unbroken.data.IterableShards``;
 * ``sampler``: your own stateful sampler, in ``unbroken.data.SamplerLoader``.
@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import unbroken  # unbroken
-from unbroken.data import DataLoader, IterableShards, JsonlShards, SamplerLoader
+from unbroken.data import IterableShards, JsonlShards, MapLoader, SamplerLoader
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 
@@ -132,7 +132,7 @@ def build_loader(a: argparse.Namespace, files: list[str], rank: int) -> Any:
     crop = Crop(a.context)
     common = {"seed": a.seed, "num_workers": a.num_workers}
     if a.source == "jsonl":  # unbroken: shards read by any number of workers, resumed in O(1)
-        return DataLoader(JsonlShards(files, augment=crop), a.batch_size, **common)
+        return MapLoader(JsonlShards(files, augment=crop), a.batch_size, **common)
     if a.source == "sampler":  # unbroken: your own stateful sampler, resumed exactly
         records = JsonlShards(files)
         sampler = BlockShuffle(len(records), block=16, seed=a.seed)
@@ -144,7 +144,7 @@ def build_loader(a: argparse.Namespace, files: list[str], rank: int) -> Any:
     cache = os.path.join(a.run_dir, "hf-cache", f"rank{rank}")  # ranks never share a cache
     table = datasets.Dataset.from_json(files, cache_dir=cache)
     if a.source == "hf":  # unbroken: a datasets.Dataset is map-style: use it as it is
-        return DataLoader(Windows(table, crop), a.batch_size, **common)
+        return MapLoader(Windows(table, crop), a.batch_size, **common)
     stream = table.to_iterable_dataset(num_shards=a.hf_shards)
     return IterableShards(stream, a.batch_size, augment=crop, **common)
 
@@ -212,7 +212,7 @@ def main() -> int:
 
     if rank == 0:
         unbroken.export_weights(os.path.join(a.run_dir, "final.safetensors"), model=model)
-        trace = unbroken.write_trace(a.run_dir)  # RUN/trace.jsonl: step, epoch, loss, samples
+        trace = unbroken.train.write_trace(a.run_dir)  # RUN/trace.jsonl: step, epoch, loss, samples
         print(f"done: {run.counters.step} steps, final loss {trace[-1]['loss']:.4f}", flush=True)
     if world > 1:  # every rank leaves the process group together (gloo aborts otherwise)
         torch.distributed.barrier()

@@ -48,9 +48,36 @@ def _launch_environment_unchanged() -> Iterator[None]:
 TIERS = ("unit", "process", "e2e")
 
 
+# The files that take longest (minutes, each on one worker: `--dist loadfile`) go to the workers
+# first, so that the run does not end with one worker on a long file and the other idle (the
+# longest-first rule). Only an order: a file missing here runs all the same, after them.
+LONGEST_FIRST = (
+    "e2e/test_seeded_bugs.py",
+    "process/test_standby.py",
+    "e2e/test_docs.py",
+    "e2e/test_recovery.py",
+    "e2e/test_multinode.py",
+    "e2e/test_verify.py",
+    "process/test_safe_defaults.py",
+    "process/test_standby_torchrun.py",
+    "e2e/test_frameworks_ddp.py",
+    "process/test_tree_signals.py",
+    "process/test_store_fuzz.py",
+    "e2e/test_torchrun_verify.py",
+    "e2e/test_verify_forks.py",
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
     for item in items:
         tier = item.path.relative_to(here).parts[0] if item.path.is_relative_to(here) else ""
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def order(item: pytest.Item) -> int:
+        inside = item.path.is_relative_to(here)
+        return rank.get(item.path.relative_to(here).as_posix(), len(rank)) if inside else len(rank)
+
+    items.sort(key=order)  # stable: a file's tests keep their order

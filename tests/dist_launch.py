@@ -7,10 +7,10 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+from tests import forks
 from tests.golden import ROOT
 
 
@@ -50,27 +50,18 @@ def launch(
             names[2]: str(world),
             "OMP_NUM_THREADS": "1",
         }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+        procs.append(forks.start(script, args, env))
     deadline = time.monotonic() + timeout
-    outputs = []
+    outputs, codes = [], []
     for p in procs:
         try:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            code, _, err = p.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for q in procs:
-                if q.poll() is None:
-                    q.send_signal(signal.SIGKILL)
+                q.kill()
             raise AssertionError(f"ranks hung past {timeout}s: {args}") from None
+        codes.append(code)
         outputs.append(err)
-    codes = [p.returncode for p in procs]
     if any(c not in allowed for c in codes):
         raise AssertionError(f"exit codes {codes}\n" + "\n----\n".join(o[-3000:] for o in outputs))
     return codes, outputs

@@ -13,13 +13,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
+from tests import forks
 from unbroken import EXIT_RESUMABLE, read_metrics
 from unbroken.process import _tree
 from unbroken.store import CheckpointStore
@@ -30,19 +30,16 @@ VOLATILE = {("counters", "train_seconds"), ("counters", "metrics_offset")}
 
 
 def launch(script: str | Path, args: list[str], timeout: float = 180) -> int:
+    """Run ``python SCRIPT ARGS`` to its end (forked from a pre-imported interpreter:
+    tests/forks.py) and return its exit code; any code but 0, 75 or a SIGKILL fails the test."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(script), *args],
-        env=env,
-        timeout=timeout,
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode not in (0, EXIT_RESUMABLE, -signal.SIGKILL):
-        raise AssertionError(
-            f"{script} {args} exited {proc.returncode}\n{proc.stdout[-3000:]}{proc.stderr[-5000:]}"
-        )
-    return proc.returncode
+    try:
+        code, out, err = forks.start(script, args, env).wait(timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{script} {args} ran past {timeout}s") from None
+    if code not in (0, EXIT_RESUMABLE, -signal.SIGKILL):
+        raise AssertionError(f"{script} {args} exited {code}\n{out[-3000:]}{err[-5000:]}")
+    return code
 
 
 def is_persister(pid: int) -> bool:

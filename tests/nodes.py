@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tests import torchrun_helpers as tr
 from tests.dist_launch import free_port
+from tests.golden import tree_report
 from tests.treesig import tree
 
 FAKE_SCONTROL = '#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\n'
@@ -112,7 +113,11 @@ def wait_for_attempt(proc: subprocess.Popen[str], attempt: int) -> None:
     deadline = time.monotonic() + tr.HANG
     while str(attempt) not in tree_env(proc, "UNBROKEN_ATTEMPT"):
         assert proc.poll() is None, f"node exited {proc.returncode} before attempt {attempt}"
-        assert time.monotonic() < deadline, f"attempt {attempt} never started"
+        # Where the node's processes wait, should it hang: seen once on a loaded machine (a
+        # survivor of a lost node not relaunching within tr.HANG), not reproduced since.
+        assert time.monotonic() < deadline, (
+            f"attempt {attempt} never started; the node's processes:\n{tree_report(proc.pid)}"
+        )
         time.sleep(0.05)
 
 

@@ -1,5 +1,12 @@
 """unbroken: stop a PyTorch training run anywhere; relaunch; it continues bit for bit.
 
+The top level holds what a training script needs (``Run``, its loaders, seeding, the errors
+a script catches); the rest lives in its package: ``unbroken.train`` (settings and their
+schedules, ``Change``, ``CanonicalGradients``), ``unbroken.data`` (every loader, vocabularies,
+shards, corpora), ``unbroken.integrations`` (Lightning, transformers, Accelerate, TensorBoard,
+W&B), ``unbroken.verify``, ``unbroken.store`` and ``unbroken.errors`` (every error). See
+docs/api.md.
+
 The public names are imported lazily, so that ``import unbroken`` (and the ``unbroken``
 command, e.g. the supervisor) does not pay for importing torch until it is needed.
 """
@@ -9,23 +16,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import _lazy
-from ._errors import (
+from ._version import __version__
+from .errors import (
     CheckpointError,
-    CheckpointNotFoundError,
-    CheckpointWriteError,
-    CollectiveTimeoutError,
     ConfigError,
-    ConfigTypeError,
     CorruptCheckpointError,
     DataError,
     LockError,
-    RemoteStoreError,
     ResumeWarning,
     StateError,
     UnbrokenError,
-    UnsafeCheckpointError,
 )
-from ._version import __version__
 from .process import _quick_exit, _stops
 from .process._exit import EXIT_RESUMABLE
 from .process._protocol import ProcessContext as _ProcessContext
@@ -42,141 +43,118 @@ if _ProcessContext.read().supervised:
 
 if TYPE_CHECKING:
     from ._launch import init_distributed
-    from .data import (
-        CharVocab,
-        DataLoader,
-        IterableLoader,
-        IterableShards,
-        JsonlShards,
-        SamplerLoader,
-        TextCorpus,
-        TokenBatchLoader,
-        WordVocab,
-        protect_workers,
-        seed_everything,
-    )
-    from .integrations._trackers import (
-        tensorboard_purge_step,
-        tensorboard_writer,
-        wandb_init_args,
-        wandb_run_id,
-    )
+    from .data import IterableLoader, MapLoader, protect_workers, seed_everything
     from .state import EMA, Stateful
-    from .store import CheckpointReader, CheckpointStore
+    from .store import CheckpointReader
     from .train import (
-        Change,
-        Constant,
-        EpochTable,
-        LinearWarmup,
-        Piecewise,
         Run,
         RunConfig,
-        Settings,
         StepContext,
-        StepTable,
-        WarmupCosine,
         export_weights,
+        make_deterministic,
         read_metrics,
-        write_trace,
     )
-    from .train._canonical import CanonicalShards
-    from .train._determinism import determinism_problems, make_deterministic
-    from .verify import VerifyError, VerifyReport, compare_runs, verify_resume
+    from .verify import verify_resume
 
 _LAZY = {
-    "CanonicalShards": ".train._canonical",
-    "Change": ".train",
-    "CharVocab": ".data",
     "CheckpointReader": ".store",
-    "CheckpointStore": ".store",
-    "Constant": ".train",
-    "DataLoader": ".data",
     "EMA": ".state",
-    "EpochTable": ".train",
     "IterableLoader": ".data",
-    "IterableShards": ".data",
-    "JsonlShards": ".data",
-    "LinearWarmup": ".train",
-    "Piecewise": ".train",
+    "MapLoader": ".data",
     "Run": ".train",
     "RunConfig": ".train",
-    "SamplerLoader": ".data",
-    "Settings": ".train",
     "Stateful": ".state",
     "StepContext": ".train",
-    "StepTable": ".train",
-    "TextCorpus": ".data",
-    "TokenBatchLoader": ".data",
-    "VerifyError": ".verify",
-    "VerifyReport": ".verify",
-    "WarmupCosine": ".train",
-    "WordVocab": ".data",
-    "compare_runs": ".verify",
-    "determinism_problems": ".train._determinism",
     "export_weights": ".train",
     "init_distributed": "._launch",
-    "make_deterministic": ".train._determinism",
+    "make_deterministic": ".train",
     "protect_workers": ".data",
     "read_metrics": ".train",
     "seed_everything": ".data",
-    "tensorboard_purge_step": ".integrations._trackers",
-    "tensorboard_writer": ".integrations._trackers",
     "verify_resume": ".verify",
-    "wandb_init_args": ".integrations._trackers",
-    "wandb_run_id": ".integrations._trackers",
-    "write_trace": ".train",
 }
 
+# Names of the first releases that now live in their package (or were renamed): they keep
+# working for one release, with a DeprecationWarning naming the new place.
+_DEPRECATED = {
+    **{
+        name: f"unbroken.train.{name}"
+        for name in (
+            "Change",
+            "Constant",
+            "EpochTable",
+            "LinearWarmup",
+            "Piecewise",
+            "Settings",
+            "StepTable",
+            "WarmupCosine",
+            "determinism_problems",
+            "write_trace",
+        )
+    },
+    **{
+        name: f"unbroken.data.{name}"
+        for name in (
+            "CharVocab",
+            "IterableShards",
+            "JsonlShards",
+            "SamplerLoader",
+            "TextCorpus",
+            "TokenBatchLoader",
+            "WordVocab",
+        )
+    },
+    **{
+        name: f"unbroken.errors.{name}"
+        for name in (
+            "CheckpointNotFoundError",
+            "CheckpointWriteError",
+            "CollectiveTimeoutError",
+            "ConfigTypeError",
+            "RemoteStoreError",
+            "UnsafeCheckpointError",
+        )
+    },
+    **{
+        name: f"unbroken.integrations.{name}"
+        for name in (
+            "tensorboard_purge_step",
+            "tensorboard_writer",
+            "wandb_init_args",
+            "wandb_run_id",
+        )
+    },
+    **{name: f"unbroken.verify.{name}" for name in ("VerifyError", "VerifyReport", "compare_runs")},
+    "CanonicalShards": "unbroken.train.CanonicalGradients",
+    "CheckpointStore": "unbroken.store.CheckpointStore",
+    "DataLoader": "unbroken.MapLoader",
+}
 
-__getattr__, __dir__ = _lazy.exports(__name__, _LAZY)
+# The public packages: ``unbroken.train.Settings`` works after a plain ``import unbroken``.
+_PACKAGES = ("cli", "data", "errors", "integrations", "state", "store", "train", "verify")
+
+__getattr__, __dir__ = _lazy.exports(__name__, _LAZY, _DEPRECATED, _PACKAGES)
 
 
 __all__ = [
-    "CanonicalShards",
-    "Change",
-    "CharVocab",
     "CheckpointError",
-    "CheckpointNotFoundError",
     "CheckpointReader",
-    "CheckpointStore",
-    "CheckpointWriteError",
-    "CollectiveTimeoutError",
     "ConfigError",
-    "ConfigTypeError",
-    "Constant",
     "CorruptCheckpointError",
     "DataError",
-    "DataLoader",
     "EMA",
     "EXIT_RESUMABLE",
-    "EpochTable",
     "IterableLoader",
-    "IterableShards",
-    "JsonlShards",
-    "LinearWarmup",
     "LockError",
-    "Piecewise",
-    "RemoteStoreError",
+    "MapLoader",
     "ResumeWarning",
     "Run",
     "RunConfig",
-    "SamplerLoader",
-    "Settings",
     "StateError",
     "Stateful",
     "StepContext",
-    "StepTable",
-    "TextCorpus",
-    "TokenBatchLoader",
     "UnbrokenError",
-    "UnsafeCheckpointError",
-    "VerifyError",
-    "VerifyReport",
-    "WarmupCosine",
-    "WordVocab",
     "__version__",
-    "compare_runs",
-    "determinism_problems",
     "export_weights",
     "init_distributed",
     "install_signal_handlers",
@@ -184,10 +162,5 @@ __all__ = [
     "protect_workers",
     "read_metrics",
     "seed_everything",
-    "tensorboard_purge_step",
-    "tensorboard_writer",
     "verify_resume",
-    "wandb_init_args",
-    "wandb_run_id",
-    "write_trace",
 ]

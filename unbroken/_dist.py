@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ._errors import CollectiveTimeoutError
+from .errors import CollectiveTimeoutError
 from .process import _quick_exit
 
 T = TypeVar("T")

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from . import _dist
-from ._errors import ConfigError
+from .errors import ConfigError
 
 
 def init_distributed(backend: str | None = None) -> tuple[int, int]:

@@ -102,7 +102,7 @@ def test_the_gradient_is_the_full_batch_mean_and_adds_to_what_p_grad_held() -> N
     plain = _net()
     F.mse_loss(plain(x), y).backward()
     net = _net()
-    canon = unbroken.CanonicalShards(net, 3)
+    canon = unbroken.train.CanonicalGradients(net, 3)
     for xs, ys in canon.shards(x, y):
         canon.backward(F.mse_loss(net(xs), ys))
     for p, q in zip(net.parameters(), plain.parameters(), strict=True):
@@ -124,7 +124,7 @@ def test_the_gradient_is_the_full_batch_mean_and_adds_to_what_p_grad_held() -> N
 
 def test_dropout_draws_come_from_the_shard_not_the_rank_stream() -> None:
     net = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Dropout(0.5))
-    canon = unbroken.CanonicalShards(net, 2, seed=3)
+    canon = unbroken.train.CanonicalGradients(net, 2, seed=3)
     x = torch.randn(4, 4)
     torch.manual_seed(1)
     outs = []
@@ -147,8 +147,8 @@ def test_dropout_draws_come_from_the_shard_not_the_rank_stream() -> None:
 def test_bad_use_gets_a_clear_error() -> None:
     net = _net()
     with pytest.raises(unbroken.ConfigError, match="positive int"):
-        unbroken.CanonicalShards(net, 0)
-    canon = unbroken.CanonicalShards(net, 4)
+        unbroken.train.CanonicalGradients(net, 0)
+    canon = unbroken.train.CanonicalGradients(net, 4)
     with pytest.raises(unbroken.ConfigError, match="multiple of shards=4"):
         list(canon.shards(torch.randn(6, 4)))
     with pytest.raises(unbroken.ConfigError, match="inside canon.shards"):
@@ -163,8 +163,8 @@ def test_bad_use_gets_a_clear_error() -> None:
 def test_startup_and_resume_warnings() -> None:
     bn = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     with pytest.warns(UserWarning, match="running statistics"):
-        unbroken.CanonicalShards(bn, 2)
-    canon = unbroken.CanonicalShards(_net(), 2)
+        unbroken.train.CanonicalGradients(bn, 2)
+    canon = unbroken.train.CanonicalGradients(_net(), 2)
     state = canon.state_dict()
     assert state["shards"] == 2 and state["threads"] == torch.get_num_threads()
     with warnings.catch_warnings():
@@ -187,7 +187,7 @@ def test_a_world_size_not_dividing_k_and_fsdp2_are_refused() -> None:
 
 def test_a_model_function_follows_a_model_change_at_a_step_boundary() -> None:
     current = [_net()]
-    canon = unbroken.CanonicalShards(lambda: current[0], 2)
+    canon = unbroken.train.CanonicalGradients(lambda: current[0], 2)
     x, y = torch.randn(4, 4), torch.randn(4, 2)
     for sync in (False, True):
         for xs, ys in canon.shards(x, y, sync=sync):

@@ -159,7 +159,7 @@ def test_chunked_order_is_a_permutation_of_shuffled_chunks(tmp_path):
     fresh = EpochOrder(3, 1, n, chunk_lines=c)
     assert np.array_equal(fresh.slice(640, 660), full[640:660])
     assert len(fresh._inner) <= 2
-    # Unchunked, the order is the one unbroken.DataLoader uses.
+    # Unchunked, the order is the one unbroken.MapLoader uses.
     assert np.array_equal(np.asarray(EpochOrder(3, 1, n)), unbroken.data.epoch_order(3, 1, n, True))
     corpus = pair(tmp_path, 300, chunk_lines=64)
     assert corpus.order(5, 0).chunk_lines == 64

@@ -126,7 +126,7 @@ def permutations(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
 
 @pytest.mark.parametrize("cls", [Ints, ProtoInts], ids=["getitem", "get_sample"])
 def test_resume_fetches_one_batch_whatever_the_position(cls, permutations):
-    src = unbroken.DataLoader(cls(N_BIG), batch_size=10, seed=3)
+    src = unbroken.MapLoader(cls(N_BIG), batch_size=10, seed=3)
     it = iter(src)
     next(it)
     near = src.state_dict()
@@ -139,7 +139,7 @@ def test_resume_fetches_one_batch_whatever_the_position(cls, permutations):
 
     for state in (near, far, later):
         ds = cls(N_BIG)
-        loader = unbroken.DataLoader(ds, batch_size=16, seed=3)
+        loader = unbroken.MapLoader(ds, batch_size=16, seed=3)
         permutations.clear()
         loader.load_state_dict(state)
         assert ds.calls == 0 and permutations == [], "load_state_dict only stores the position"
@@ -153,7 +153,7 @@ def test_resume_fetches_one_batch_whatever_the_position(cls, permutations):
 
 def test_resume_with_workers_starts_at_the_saved_position():
     for epoch, pos in ((0, 10), (2, 100_000)):
-        loader = unbroken.DataLoader(Ints(N_BIG), batch_size=16, seed=3, num_workers=2)
+        loader = unbroken.MapLoader(Ints(N_BIG), batch_size=16, seed=3, num_workers=2)
         loader.load_state_dict({**loader.state_dict(), "epoch": epoch, "position": pos})
         it = iter(loader)
         first, second = next(it), next(it)
@@ -169,7 +169,7 @@ SIZES = [4, 7, 3, 10, 5, 1, 8, 6]
 
 
 def consume(
-    make: Callable[[int], unbroken.DataLoader],
+    make: Callable[[int], unbroken.MapLoader],
     sizes: list[int],
     epochs: int,
     restart_at: tuple[int, ...] = (),
@@ -212,8 +212,8 @@ def by_epoch(batches: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
 def test_batch_size_changes_skip_and_repeat_nothing(workers, drop_last):
     n, seed, epochs = 61, 5, 3
 
-    def make(batch_size: int) -> unbroken.DataLoader:
-        return unbroken.DataLoader(
+    def make(batch_size: int) -> unbroken.MapLoader:
+        return unbroken.MapLoader(
             Ints(n), batch_size, seed=seed, drop_last=drop_last, num_workers=workers
         )
 
@@ -236,10 +236,10 @@ def test_batch_size_changes_skip_and_repeat_nothing(workers, drop_last):
 
 
 def test_a_state_saved_at_an_epoch_end_yields_that_end_first():
-    src = unbroken.DataLoader(Ints(12), batch_size=4, seed=1)
+    src = unbroken.MapLoader(Ints(12), batch_size=4, seed=1)
     it = iter(src)
     assert [len(next(it)) for _ in range(3)] == [4, 4, 4]  # the last batch, not yet the end
-    resumed = unbroken.DataLoader(Ints(12), batch_size=4, seed=1)
+    resumed = unbroken.MapLoader(Ints(12), batch_size=4, seed=1)
     resumed.load_state_dict(src.state_dict())
     # The epoch had not been seen to end when the state was taken, so the consumer sees it end.
     assert list(resumed) == [] and resumed.epoch == 0
@@ -248,7 +248,7 @@ def test_a_state_saved_at_an_epoch_end_yields_that_end_first():
     assert list(resumed) == [], "set_epoch on the finished epoch in progress yields nothing"
     resumed.set_epoch(3)
     assert sum((b.tolist() for b in resumed), []) == order(1, 3, 12)
-    after_end = unbroken.DataLoader(Ints(12), batch_size=4, seed=1)
+    after_end = unbroken.MapLoader(Ints(12), batch_size=4, seed=1)
     after_end.load_state_dict(resumed.state_dict())  # taken after the pass ended
     assert sum((b.tolist() for b in after_end), []) == order(1, 4, 12)
 
@@ -263,7 +263,7 @@ CONFIGS = {
 }
 
 
-def samples(loader: unbroken.DataLoader, out: dict, stop: int | None = None, epochs: int = 2):
+def samples(loader: unbroken.MapLoader, out: dict, stop: int | None = None, epochs: int = 2):
     """Record each sample by (epoch, index) until ``epochs`` epochs end or ``stop`` batches."""
     count = 0
     while True:
@@ -288,8 +288,8 @@ def assert_same_samples(a: dict, b: dict) -> None:
 def test_augmentation_is_the_same_for_any_workers_and_resume_point(cls):
     n = 24
 
-    def make(batch_size: int, config: str) -> unbroken.DataLoader:
-        return unbroken.DataLoader(cls(n), batch_size, seed=9, **CONFIGS[config])
+    def make(batch_size: int, config: str) -> unbroken.MapLoader:
+        return unbroken.MapLoader(cls(n), batch_size, seed=9, **CONFIGS[config])
 
     ref: dict = {}
     samples(make(5, "w0"), ref)
@@ -336,7 +336,7 @@ def test_main_process_iteration_leaves_global_rng_untouched(cls):
     np.random.seed(1)
     torch.manual_seed(1)
     before = rng_states()
-    loader = unbroken.DataLoader(cls(20), batch_size=6, seed=2)
+    loader = unbroken.MapLoader(cls(20), batch_size=6, seed=2)
     samples(loader, {}, stop=2)
     loader.batch_size = 4
     samples(loader, {}, epochs=2)
@@ -357,12 +357,12 @@ class ThreeStreams(tud.Dataset):
 def test_reseed_globals_may_name_the_streams(streams):
     names = (streams,) if isinstance(streams, str) else streams
     cols = [i for i, n in enumerate(("python", "numpy", "torch")) if n in names]
-    full = torch.cat(list(unbroken.DataLoader(ThreeStreams(), 4, seed=3)))
+    full = torch.cat(list(unbroken.MapLoader(ThreeStreams(), 4, seed=3)))
     random.seed(1)
     np.random.seed(1)
     torch.manual_seed(1)
     before = rng_states()
-    some = torch.cat(list(unbroken.DataLoader(ThreeStreams(), 4, seed=3, reseed_globals=streams)))
+    some = torch.cat(list(unbroken.MapLoader(ThreeStreams(), 4, seed=3, reseed_globals=streams)))
     # The named streams give the same values as a full reseed, and are put back afterwards;
     # the others are drawn from (not reseeded) and so move on.
     assert torch.equal(some[:, cols], full[:, cols])
@@ -379,14 +379,14 @@ def test_reseed_globals_may_name_the_streams(streams):
         )
         assert same is (i in cols), i
     with pytest.raises(ConfigError, match="unknown stream"):
-        unbroken.DataLoader(ThreeStreams(), 4, reseed_globals=("torch", "cuda"))
+        unbroken.MapLoader(ThreeStreams(), 4, reseed_globals=("torch", "cuda"))
 
 
 def test_worker_iterators_draw_nothing_from_global_torch_rng():
     torch.manual_seed(1)
     before = torch.get_rng_state()
     for persistent in (False, True):
-        loader = unbroken.DataLoader(
+        loader = unbroken.MapLoader(
             GlobalAug(20), batch_size=6, seed=2, num_workers=2, persistent_workers=persistent
         )
         it = iter(loader)
@@ -410,16 +410,16 @@ def test_a_collate_fn_draws_the_same_numbers_in_any_process_at_any_resume():
     # training stream) are put back, as if no batch had been collated.
     torch.manual_seed(5)
     before = rng_states()
-    full = torch.cat(list(unbroken.DataLoader(range(20), 4, seed=0, collate_fn=_random_collate)))
+    full = torch.cat(list(unbroken.MapLoader(range(20), 4, seed=0, collate_fn=_random_collate)))
     assert_same_rng(before, rng_states())
-    workers = unbroken.DataLoader(range(20), 4, seed=0, num_workers=2, collate_fn=_random_collate)
+    workers = unbroken.MapLoader(range(20), 4, seed=0, num_workers=2, collate_fn=_random_collate)
     assert torch.equal(torch.cat(list(workers)), full)
-    resumed = unbroken.DataLoader(range(20), 4, seed=0, collate_fn=_random_collate)
+    resumed = unbroken.MapLoader(range(20), 4, seed=0, collate_fn=_random_collate)
     resumed.load_state_dict({**resumed.state_dict(), "position": 8})
     assert torch.equal(torch.cat(list(resumed)), full[8:])
     assert len(set((full - full.round()).tolist())) > 10  # random, not one number repeated
     # Opting out (reseed_globals=False): the collate draws from the process's own streams.
-    loose = unbroken.DataLoader(
+    loose = unbroken.MapLoader(
         range(20), 4, seed=0, collate_fn=_random_collate, reseed_globals=False
     )
     assert not torch.equal(torch.cat(list(loose)), full)
@@ -431,9 +431,9 @@ def test_a_collate_fn_draws_the_same_numbers_in_any_process_at_any_resume():
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_split_each_global_batch(world):
     n, seed = 40, 11
-    ref = unbroken.DataLoader(Ints(n), 6, seed=seed)
+    ref = unbroken.MapLoader(Ints(n), 6, seed=seed)
     ranks = [
-        unbroken.DataLoader(Ints(n), 6, seed=seed, rank=r, world_size=world) for r in range(world)
+        unbroken.MapLoader(Ints(n), 6, seed=seed, rank=r, world_size=world) for r in range(world)
     ]
     for _ in range(2):
         its = [iter(loader) for loader in ranks]
@@ -449,7 +449,7 @@ def test_ranks_split_each_global_batch(world):
 def test_a_state_saved_at_world_2_continues_at_world_3():
     n, seed = 45, 4
 
-    def lockstep(loaders: list[unbroken.DataLoader], stop: int | None) -> list[list[int]]:
+    def lockstep(loaders: list[unbroken.MapLoader], stop: int | None) -> list[list[int]]:
         """Global batches (the ranks' slices joined) until ``stop`` steps or epoch 1's end."""
         out: list[list[int]] = []
         while True:
@@ -463,11 +463,11 @@ def test_a_state_saved_at_world_2_continues_at_world_3():
             if loaders[0].epoch == 1:
                 return out
 
-    two = [unbroken.DataLoader(Ints(n), 6, seed=seed, rank=r, world_size=2) for r in range(2)]
+    two = [unbroken.MapLoader(Ints(n), 6, seed=seed, rank=r, world_size=2) for r in range(2)]
     stream = lockstep(two, stop=4)
     states = [loader.state_dict() for loader in two]
     assert states[0] == states[1] and states[0]["position"] == 24
-    three = [unbroken.DataLoader(Ints(n), 9, seed=seed, rank=r, world_size=3) for r in range(3)]
+    three = [unbroken.MapLoader(Ints(n), 9, seed=seed, rank=r, world_size=3) for r in range(3)]
     for loader in three:
         loader.load_state_dict(states[0])
     stream += lockstep(three, stop=None)
@@ -483,8 +483,8 @@ def test_a_state_saved_at_world_2_continues_at_world_3():
     [("dataset_len", dict(n=31)), ("seed", dict(seed=1)), ("shuffle", dict(shuffle=False))],
 )
 def test_load_rejects_a_changed_stream(field, change):
-    def make(n: int = 30, seed: int = 0, shuffle: bool = True) -> unbroken.DataLoader:
-        return unbroken.DataLoader(Ints(n), 4, seed=seed, shuffle=shuffle)
+    def make(n: int = 30, seed: int = 0, shuffle: bool = True) -> unbroken.MapLoader:
+        return unbroken.MapLoader(Ints(n), 4, seed=seed, shuffle=shuffle)
 
     src = make()
     next(iter(src))
@@ -497,7 +497,7 @@ def test_load_rejects_a_changed_stream(field, change):
 
 
 def test_load_rejects_an_unknown_version():
-    loader = unbroken.DataLoader(Ints(8), 4)
+    loader = unbroken.MapLoader(Ints(8), 4)
     with pytest.raises(DataError, match="version"):
         loader.load_state_dict({**loader.state_dict(), "version": 99})
 
@@ -512,20 +512,20 @@ class LenStream(tud.IterableDataset):
 
 def test_bad_configurations_raise_config_error():
     with pytest.raises(ConfigError, match="batch_size"):
-        unbroken.DataLoader(Ints(8), 0)
-    loader = unbroken.DataLoader(Ints(8), 2, rank=1, world_size=2)
+        unbroken.MapLoader(Ints(8), 0)
+    loader = unbroken.MapLoader(Ints(8), 2, rank=1, world_size=2)
     with pytest.raises(ConfigError, match="batch_size"):
         loader.batch_size = 0
     with pytest.raises(ConfigError, match="divisible by world_size 2"):
-        unbroken.DataLoader(Ints(8), 3, rank=0, world_size=2)
+        unbroken.MapLoader(Ints(8), 3, rank=0, world_size=2)
     with pytest.raises(ConfigError, match="divisible"):
         loader.batch_size = 5
     assert loader.batch_size == 2
     with pytest.raises(ConfigError, match="rank"):
-        unbroken.DataLoader(Ints(8), 2, rank=2, world_size=2)
+        unbroken.MapLoader(Ints(8), 2, rank=2, world_size=2)
     for iterable in (LenStream(), Stream(5)):
         with pytest.raises(ConfigError, match="IterableLoader"):
-            unbroken.DataLoader(iterable, 2)
+            unbroken.MapLoader(iterable, 2)
     with pytest.raises(ConfigError, match="state_dict"):
         unbroken.IterableLoader(range(5), 2)
     with pytest.raises(ConfigError, match="batch_size"):
@@ -571,7 +571,7 @@ def test_iterable_loader_resumes_mid_stream(stop, drop_last):
 
 
 def test_workers_ignore_stop_signals():
-    loader = unbroken.DataLoader(
+    loader = unbroken.MapLoader(
         Ints(64), batch_size=4, seed=0, num_workers=2, persistent_workers=True
     )
     it = iter(loader)
@@ -603,7 +603,7 @@ class Ints:
     def __getitem__(self, i):
         return i
 
-loader = unbroken.DataLoader(Ints(), 4, num_workers=2, persistent_workers=True)
+loader = unbroken.MapLoader(Ints(), 4, num_workers=2, persistent_workers=True)
 it = iter(loader)
 next(it)
 next(it)

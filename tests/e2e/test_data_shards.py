@@ -20,11 +20,11 @@ from tests._logs import logs_match
 from tests.golden import ROOT
 from unbroken import ConfigError, DataError
 from unbroken.data import (
-    DataLoader,
     IterableLoader,
     IterableShards,
     JsonlShards,
     Loader,
+    MapLoader,
     SamplerLoader,
     ShardOrder,
 )
@@ -77,7 +77,7 @@ def test_shard_order_is_a_permutation_with_each_shard_contiguous(shuffle_lines: 
 
 
 def test_a_resume_permutes_only_the_shard_it_lands_in(files: list[str]) -> None:
-    loader = DataLoader(JsonlShards(files), 4, seed=5)
+    loader = MapLoader(JsonlShards(files), 4, seed=5)
     loader.load_state_dict({**loader.state_dict(), "position": 14})
     next(iter(loader))
     order = loader._order(0)
@@ -88,9 +88,9 @@ def test_a_resume_permutes_only_the_shard_it_lands_in(files: list[str]) -> None:
 
 
 def test_jsonl_resume_with_other_workers_batch_size_and_world_size(files: list[str]) -> None:
-    full = _values(DataLoader(JsonlShards(files), 4, seed=1))
+    full = _values(MapLoader(JsonlShards(files), 4, seed=1))
     assert sorted(full) == sorted(100 * k + i for k, n in enumerate([5, 9, 3, 7]) for i in range(n))
-    two = [DataLoader(JsonlShards(files), 4, seed=1, rank=r, world_size=2) for r in range(2)]
+    two = [MapLoader(JsonlShards(files), 4, seed=1, rank=r, world_size=2) for r in range(2)]
     its = [iter(x) for x in two]
     got = []
     for _ in range(3):
@@ -98,7 +98,7 @@ def test_jsonl_resume_with_other_workers_batch_size_and_world_size(files: list[s
     state = two[0].state_dict()
     assert state == two[1].state_dict()
     three = [
-        DataLoader(JsonlShards(files), 6, seed=1, rank=r, world_size=3, num_workers=1 if r else 0)
+        MapLoader(JsonlShards(files), 6, seed=1, rank=r, world_size=3, num_workers=1 if r else 0)
         for r in range(3)
     ]
     for x in three:
@@ -112,11 +112,11 @@ def test_augment_gets_a_generator_seeded_by_seed_epoch_index(files: list[str]) -
     def noisy(rec, g):
         return torch.tensor([float(rec["v"]), torch.rand((), generator=g).item()])
 
-    ref = torch.cat(list(DataLoader(JsonlShards(files, augment=noisy), 4, seed=2)))
-    part = DataLoader(JsonlShards(files, augment=noisy), 5, seed=2, num_workers=2)
+    ref = torch.cat(list(MapLoader(JsonlShards(files, augment=noisy), 4, seed=2)))
+    part = MapLoader(JsonlShards(files, augment=noisy), 5, seed=2, num_workers=2)
     part.load_state_dict({**part.state_dict(), "position": 8})
     assert torch.equal(torch.cat(list(part)), ref[8:])
-    index = DataLoader(JsonlShards(files), 1, seed=2).state_dict()  # same order, 1 per batch
+    index = MapLoader(JsonlShards(files), 1, seed=2).state_dict()  # same order, 1 per batch
     assert index["dataset_len"] == 24
 
 
@@ -124,7 +124,7 @@ def test_augment_gets_a_generator_seeded_by_seed_epoch_index(files: list[str]) -
 
 
 def _saved(files: list[str]) -> dict:
-    loader = DataLoader(JsonlShards(files), 4, seed=0)
+    loader = MapLoader(JsonlShards(files), 4, seed=0)
     next(iter(loader))
     return loader.state_dict()
 
@@ -139,13 +139,13 @@ def test_a_changed_shard_list_is_refused_naming_the_file(files: list[str], tmp_p
     }
     for now, message in cases.values():
         with pytest.raises(DataError, match=message):
-            DataLoader(JsonlShards(now), 4, seed=0).load_state_dict(state)
+            MapLoader(JsonlShards(now), 4, seed=0).load_state_dict(state)
     with open(files[1], "a", encoding="utf-8") as f:
         f.write(json.dumps({"v": 999}) + "\n")
     with logs_match(r"s1\.jsonl changed since its index was built"):
         changed = JsonlShards(files)  # the index is rebuilt, and says so
     with pytest.raises(DataError, match=r"s1\.jsonl changed size since the save"):
-        DataLoader(changed, 4, seed=0).load_state_dict(state)
+        MapLoader(changed, 4, seed=0).load_state_dict(state)
 
 
 def test_same_size_edit_and_reorder_are_refused(files: list[str]) -> None:
@@ -155,12 +155,12 @@ def test_same_size_edit_and_reorder_are_refused(files: list[str]) -> None:
     with logs_match(r"s2\.jsonl changed since its index was built"):
         edited = JsonlShards(files)
     with pytest.raises(DataError, match=r"s2\.jsonl changed content"):
-        DataLoader(edited, 4, seed=0).load_state_dict(state)
+        MapLoader(edited, 4, seed=0).load_state_dict(state)
     Path(files[2]).write_text(text)
     with logs_match(r"s2\.jsonl changed since its index was built"):
         reordered = JsonlShards(files[::-1])
     with pytest.raises(DataError, match="reordered"):
-        DataLoader(reordered, 4, seed=0).load_state_dict(state)
+        MapLoader(reordered, 4, seed=0).load_state_dict(state)
 
 
 def test_unreadable_shards_raise_data_error_naming_them(files: list[str], tmp_path: Path) -> None:
@@ -180,7 +180,7 @@ def test_unreadable_shards_raise_data_error_naming_them(files: list[str], tmp_pa
     broken.write_text('{"v": 1}\n{"v": \n')
     shards = JsonlShards([str(broken)])
     with pytest.raises(DataError, match=r"broken\.jsonl: line 2 is not valid JSON"):
-        list(DataLoader(shards, 2, shuffle=False, num_workers=1))
+        list(MapLoader(shards, 2, shuffle=False, num_workers=1))
     with pytest.raises(DataError, match="no shard file matches"):
         JsonlShards(str(tmp_path / "none-*.jsonl"))
 
@@ -247,7 +247,7 @@ def test_every_loader_meets_the_protocol(files: list[str]) -> None:
             pass
 
     loaders = [
-        DataLoader(list(range(8)), 2),
+        MapLoader(list(range(8)), 2),
         IterableLoader(S(), 2),
         SamplerLoader(list(range(8)), sampler=S(), batch_size=2),
         IterableShards([Opener(0, 3), Opener(1, 3)], 2),
@@ -259,13 +259,13 @@ def test_every_loader_meets_the_protocol(files: list[str]) -> None:
 def test_run_refuses_a_plain_torch_dataloader(tmp_path: Path) -> None:
     plain = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
     with pytest.raises(
-        ConfigError, match=r"'loader'.*torch.utils.data.DataLoader.*unbroken\.DataLoader"
+        ConfigError, match=r"'loader'.*torch.utils.data.DataLoader.*unbroken\.MapLoader"
     ):
         unbroken.Run(tmp_path / "run", loader=plain)
 
 
 def test_run_checks_the_loaders_world_against_torch_distributed(tmp_path: Path) -> None:
-    loader = DataLoader(list(range(8)), 2, rank=1, world_size=2)
+    loader = MapLoader(list(range(8)), 2, rank=1, world_size=2)
     with pytest.raises(ConfigError, match="built for rank 1 of 2, but this process is rank 0 of 1"):
         unbroken.Run(tmp_path / "run", loader=loader)
 
@@ -356,7 +356,7 @@ def test_sampler_loader_saved_after_the_last_batch_resumes_into_the_epoch_end(n:
 
 def test_a_sampler_without_state_is_refused_with_what_to_use() -> None:
     plain = torch.utils.data.RandomSampler(list(range(10)))
-    with pytest.raises(ConfigError, match=r"RandomSampler has no state_dict.*unbroken\.DataLoader"):
+    with pytest.raises(ConfigError, match=r"RandomSampler has no state_dict.*unbroken\.MapLoader"):
         SamplerLoader(list(range(10)), sampler=plain, batch_size=2)
 
 
@@ -367,8 +367,8 @@ def test_hf_dataset_is_map_style_in_unbroken_dataloader(files: list[str], tmp_pa
     import datasets
 
     table = datasets.Dataset.from_json(files, cache_dir=str(tmp_path / "hf"))
-    full = [int(v) for b in DataLoader(table, 4, seed=1) for v in b["v"]]
-    part = DataLoader(table, 6, seed=1, num_workers=2)
+    full = [int(v) for b in MapLoader(table, 4, seed=1) for v in b["v"]]
+    part = MapLoader(table, 6, seed=1, num_workers=2)
     part.load_state_dict({**part.state_dict(), "position": 8})
     assert [int(v) for b in part for v in b["v"]] == full[8:]
 
@@ -383,7 +383,7 @@ def test_exit_with_an_abandoned_worker_pass_does_not_hang(tmp_path: Path) -> Non
     script.write_text(
         "import unbroken\n"
         "if __name__ == '__main__':\n"
-        "    loader = unbroken.DataLoader(list(range(100)), 4, num_workers=2)\n"
+        "    loader = unbroken.MapLoader(list(range(100)), 4, num_workers=2)\n"
         "    it = iter(loader)\n"
         "    next(it)\n"
     )

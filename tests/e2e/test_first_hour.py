@@ -28,7 +28,7 @@ if "quiet" in flags:
 unbroken.seed_everything(0)
 model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
-loader = unbroken.DataLoader(data, batch_size=8, shuffle=True, seed=0)
+loader = unbroken.MapLoader(data, batch_size=8, shuffle=True, seed=0)
 late = "late-optimizer" in flags
 opt = None if late else torch.optim.AdamW(model.parameters(), lr=1e-2)
 tracked = {} if late else {"optimizer": opt}
@@ -162,7 +162,7 @@ def test_a_read_only_run_directory_is_a_checkpoint_write_error(
     read_only_disk: Path, name: str
 ) -> None:
     run_dir = read_only_disk / name
-    with pytest.raises(unbroken.CheckpointWriteError) as e:
+    with pytest.raises(unbroken.errors.CheckpointWriteError) as e:
         unbroken.Run(run_dir, model=torch.nn.Linear(2, 2), progress=False)
     text = str(e.value)
     assert f"the run directory {os.path.abspath(run_dir)}" in text

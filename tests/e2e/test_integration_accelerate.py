@@ -65,10 +65,10 @@ def test_prepared_torch_dataloader_is_refused_by_name(tmp_path: Path) -> None:
     model = torch.nn.Linear(4, 1)
     data = torch.utils.data.TensorDataset(torch.randn(8, 4))
     model, loader = accelerator.prepare(model, torch.utils.data.DataLoader(data, batch_size=4))
-    with pytest.raises(ConfigError, match="wrapped a DataLoaderShard.*unbroken.DataLoader"):
+    with pytest.raises(ConfigError, match="wrapped a DataLoaderShard.*unbroken.MapLoader"):
         accelerate_run(accelerator, str(tmp_path), loader=loader)
-    with pytest.raises(ConfigError, match="no unbroken.DataLoader was given"):
+    with pytest.raises(ConfigError, match="no unbroken.MapLoader was given"):
         accelerate_run(Accelerator(), str(tmp_path))
-    fine = unbroken.DataLoader(data, batch_size=4, seed=0)
+    fine = unbroken.MapLoader(data, batch_size=4, seed=0)
     with pytest.raises(ConfigError, match=r"\['model'\] are tracked from the accelerator"):
         accelerate_run(accelerator, str(tmp_path), loader=fine, model=model, strict=False)

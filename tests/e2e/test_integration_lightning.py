@@ -122,7 +122,7 @@ def test_slurm_requeue_handler_still_runs(reference: Path, tmp_path: Path) -> No
 def _fit(run_dir: Path, loader, callbacks=(), **kw) -> None:
     import pytorch_lightning as pl
 
-    from unbroken.integrations import LightningResume
+    from unbroken.integrations import LightningCallback
 
     class Tiny(pl.LightningModule):
         def __init__(self) -> None:
@@ -140,7 +140,7 @@ def _fit(run_dir: Path, loader, callbacks=(), **kw) -> None:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[*callbacks, LightningResume(str(run_dir), **kw)],
+        callbacks=[*callbacks, LightningCallback(str(run_dir), **kw)],
     )
     trainer.fit(Tiny(), train_dataloaders=loader)
 
@@ -163,7 +163,7 @@ def test_a_loader_built_for_another_world_is_refused(tmp_path: Path) -> None:
     import unbroken
     from unbroken import ConfigError
 
-    loader = unbroken.DataLoader(_data(), batch_size=4, seed=0, rank=0, world_size=2)
+    loader = unbroken.MapLoader(_data(), batch_size=4, seed=0, rank=0, world_size=2)
     with pytest.raises(
         ConfigError, match=r"built for rank 0 of 2, but this process is rank 0 of 1"
     ):
@@ -180,7 +180,7 @@ def test_callback_without_state_is_named(tmp_path: Path, caplog: pytest.LogCaptu
     class Counter(pl.Callback):
         pass
 
-    loader = unbroken.DataLoader(_data(), batch_size=4, seed=0)
+    loader = unbroken.MapLoader(_data(), batch_size=4, seed=0)
     with pytest.raises(ConfigError, match="callback Counter has no state_dict"):
         _fit(tmp_path / "strict", loader, [Counter()])
     with caplog.at_level("WARNING", logger="unbroken"):
@@ -191,10 +191,10 @@ def test_callback_without_state_is_named(tmp_path: Path, caplog: pytest.LogCaptu
 
 def test_unknown_option_is_refused() -> None:
     from unbroken import ConfigError
-    from unbroken.integrations import LightningResume
+    from unbroken.integrations import LightningCallback
 
     with pytest.raises(ConfigError, match=r"\['max_steps'\] are not options here"):
-        LightningResume("runs/x", max_steps=3)
+        LightningCallback("runs/x", max_steps=3)
 
 
 # ---- the unified package: import lightning as L ---------------------------------------------
@@ -204,7 +204,7 @@ UNIFIED = ROOT / "tests" / "scripts" / "lightning_unified.py"
 
 def test_unified_lightning_package_with_a_datamodule_and_validation(tmp_path: Path) -> None:
     """``import lightning as L`` (``lightning.pytorch``), a LightningDataModule returning
-    unbroken.DataLoaders, a validation loop every 4 steps, and a field ``training_step``
+    unbroken.MapLoaders, a validation loop every 4 steps, and a field ``training_step``
     returns. SIGTERM after step 6 (mid-epoch; the stop saves step 7, the step in progress),
     SIGKILL after step 9 (after the validation of step 8; resumes from step 7): equal to the
     uninterrupted run."""

@@ -77,7 +77,7 @@ def test_trainer_own_resume_diverges(tmp_path: Path) -> None:
 def _trainer(run_dir: Path, callbacks=(), max_steps: int = 2, **kw):
     from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
-    from unbroken.integrations import UnbrokenTrainer
+    from unbroken.integrations import TransformersTrainer
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=11, n_positions=8, n_embd=8, n_layer=1, n_head=2))
@@ -93,7 +93,7 @@ def _trainer(run_dir: Path, callbacks=(), max_steps: int = 2, **kw):
         use_cpu=True,
         **kw,
     )
-    return UnbrokenTrainer(
+    return TransformersTrainer(
         model=model, args=args, train_dataset=data, callbacks=list(callbacks), **trainer_kw
     )
 

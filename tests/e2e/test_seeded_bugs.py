@@ -49,7 +49,7 @@ CAUGHT_BY_VERIFY = {
 AT_THE_FIRST_STEP_AFTER_A_RESUME = ("collate", "reduce", "generator", "pyrandom")
 # bug -> (the error's class, what its message must name)
 CAUGHT_AT_START = {
-    "loader-loop": ("ConfigError", "unbroken.DataLoader"),
+    "loader-loop": ("ConfigError", "unbroken.MapLoader"),
     "parameter": ("StateError", "no tracked module owns"),
     "module": ("StateError", "no tracked module owns"),
 }

@@ -77,7 +77,7 @@ def _setup(tmp_path: Path, before_step: Any, **kw: Any) -> tuple[unbroken.Run, A
     model = Small(10, 8)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ema = unbroken.EMA(model, decay=0.5)
-    loader = unbroken.DataLoader(torch.arange(10), batch_size=4, seed=0)
+    loader = unbroken.MapLoader(torch.arange(10), batch_size=4, seed=0)
     run = unbroken.Run(
         tmp_path / "run",
         model=model,
@@ -104,7 +104,7 @@ def test_grown_linear_embedding_layernorm_moments_and_ema(tmp_path: Path) -> Non
             snap["ema"] = {k: v.clone() for k, v in ctx.run.ema.shadow.items()}
             new = Small(12, 16)
             snap["live"] = {k: v.clone() for k, v in new.state_dict().items()}
-            return unbroken.Change(model=new, stage=(12, 16))
+            return unbroken.train.Change(model=new, stage=(12, 16))
         return None
 
     run, loader = _setup(tmp_path, before_step)
@@ -135,7 +135,7 @@ def test_grown_linear_embedding_layernorm_moments_and_ema(tmp_path: Path) -> Non
 
 
 def _shrink_at_3(ctx: Any) -> Any:
-    return unbroken.Change(model=Small(10, 6), stage=(10, 6)) if ctx.step == 3 else None
+    return unbroken.train.Change(model=Small(10, 6), stage=(10, 6)) if ctx.step == 3 else None
 
 
 def test_grow_hook_remaps_a_shrunk_parameter_and_optimizer_factory_builds(tmp_path: Path) -> None:
@@ -194,8 +194,8 @@ def test_grow_hook_result_is_checked(tmp_path: Path, hook: Any, message: str) ->
     [
         (5, "returned int"),
         ({"nonsense": 1}, "unknown setting(s) ['nonsense']"),
-        (unbroken.Change(model=Small(10, 4), stage=(10, 4)), "'emb.weight' changed shape"),
-        (unbroken.Change(model=Small(12, 16)), "without a stage"),
+        (unbroken.train.Change(model=Small(10, 4), stage=(10, 4)), "'emb.weight' changed shape"),
+        (unbroken.train.Change(model=Small(12, 16)), "without a stage"),
     ],
     ids=["wrong-type", "unknown-key", "shrunk", "no-stage"],
 )
@@ -214,7 +214,7 @@ def test_bad_callback_return_is_named(tmp_path: Path, result: Any, message: str)
 def test_model_change_without_factory_is_refused(tmp_path: Path) -> None:
     def before_step(ctx: Any) -> Any:
         if ctx.step == 1:
-            return unbroken.Change(model=Small(12, 16), stage=(12, 16))
+            return unbroken.train.Change(model=Small(12, 16), stage=(12, 16))
         return None
 
     run, loader = _setup(tmp_path, before_step)
@@ -241,7 +241,7 @@ def _expected(steps: int, per_epoch: int, start: int = 0) -> list[tuple[Any, ...
 def _recording_run(tmp_path: Path, log: list[tuple[Any, ...]], steps: int) -> unbroken.Run:
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = unbroken.DataLoader(torch.randn(12, 2), batch_size=4, seed=1)
+    loader = unbroken.MapLoader(torch.randn(12, 2), batch_size=4, seed=1)
     return unbroken.Run(
         tmp_path / "events",
         model=model,
@@ -249,7 +249,7 @@ def _recording_run(tmp_path: Path, log: list[tuple[Any, ...]], steps: int) -> un
         loader=loader,
         on_epoch_start=lambda ctx: log.append(("epoch_start", ctx.epoch, ctx.step)),
         before_step=lambda ctx: log.append(("before_step", ctx.epoch, ctx.step)),
-        settings=unbroken.Settings(lr=unbroken.StepTable({0: 0.1, 5: 0.01})),
+        settings=unbroken.train.Settings(lr=unbroken.train.StepTable({0: 0.1, 5: 0.01})),
         save_every=1,
         max_steps=steps,
         progress=False,
@@ -283,15 +283,15 @@ def test_callback_order_also_after_resume(tmp_path: Path, stop_at: int) -> None:
 
 
 def test_schedules() -> None:
-    cos = unbroken.WarmupCosine(peak=1.0, total=10, warmup=2, final=0.1)
+    cos = unbroken.train.WarmupCosine(peak=1.0, total=10, warmup=2, final=0.1)
     assert cos(0, 0) == 0.5 and cos(1, 0) == 1.0 and abs(cos(10, 0) - 0.1) < 1e-12
-    assert unbroken.LinearWarmup(2.0, 4)(1, 0) == 1.0
-    assert unbroken.Piecewise([(0, 0.0), (10, 1.0)])(5, 0) == 0.5
-    assert unbroken.StepTable({0: 16, 40: 32})(39, 0) == 16
-    assert unbroken.EpochTable({0: 1, 3: 2})(0, 3) == 2
-    assert unbroken.Constant(3)(100, 100) == 3
-    values = unbroken.Settings(lr=cos, clip=1.0).at(1, 0, {"clip": 0.5})
+    assert unbroken.train.LinearWarmup(2.0, 4)(1, 0) == 1.0
+    assert unbroken.train.Piecewise([(0, 0.0), (10, 1.0)])(5, 0) == 0.5
+    assert unbroken.train.StepTable({0: 16, 40: 32})(39, 0) == 16
+    assert unbroken.train.EpochTable({0: 1, 3: 2})(0, 3) == 2
+    assert unbroken.train.Constant(3)(100, 100) == 3
+    values = unbroken.train.Settings(lr=cos, clip=1.0).at(1, 0, {"clip": 0.5})
     assert values.lr == 1.0 and values["clip"] == 0.5
     with pytest.raises(unbroken.ConfigError, match="epoch 0"):
-        unbroken.EpochTable({1: 2})
+        unbroken.train.EpochTable({1: 2})
     assert _staging.grown(torch.ones(2), torch.Size([3]), None).tolist() == [1.0, 1.0, 0.0]

@@ -30,10 +30,10 @@ SCRIPT = textwrap.dedent(
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
-    loader = unbroken.DataLoader(data, batch_size=8, shuffle=True, seed=0)
+    loader = unbroken.MapLoader(data, batch_size=8, shuffle=True, seed=0)
     run = unbroken.Run(a.run_dir, model=model, optimizer=opt, loader=loader,
                        save_every=4, max_steps=14, progress=False)
-    writer = unbroken.tensorboard_writer(run)
+    writer = unbroken.integrations.tensorboard_writer(run)
     for x, y in run.loop(loader):
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
@@ -91,15 +91,17 @@ def test_purge_step_is_the_first_step_this_launch_logs(tmp_path: Path) -> None:
 
     model = torch.nn.Linear(2, 1)
     run = unbroken.Run(tmp_path, model=model, progress=False)
-    assert unbroken.tensorboard_purge_step(run) == 1  # fresh: a killed first launch's events go
+    assert (
+        unbroken.integrations.tensorboard_purge_step(run) == 1
+    )  # fresh: a killed first launch's events go
     for _ in range(3):
         run.step()
     run.save()
     run.close()
     again = unbroken.Run(tmp_path, model=torch.nn.Linear(2, 1), progress=False)
-    assert again.resumed_from == 3 and unbroken.tensorboard_purge_step(again) == 4
+    assert again.resumed_from == 3 and unbroken.integrations.tensorboard_purge_step(again) == 4
     with pytest.raises(unbroken.ConfigError, match="purge_step"):
-        unbroken.tensorboard_writer(again, purge_step=1)
+        unbroken.integrations.tensorboard_writer(again, purge_step=1)
     again.close()
 
 
@@ -108,7 +110,7 @@ def test_purge_step_is_the_first_step_this_launch_logs(tmp_path: Path) -> None:
 
 def _id_in_child(run_dir: str, start: object, out: object) -> None:
     start.wait()  # type: ignore[attr-defined]
-    out.put(unbroken.wandb_run_id(run_dir))  # type: ignore[attr-defined]
+    out.put(unbroken.integrations.wandb_run_id(run_dir))  # type: ignore[attr-defined]
 
 
 def test_wandb_id_is_stable_across_processes_and_races(tmp_path: Path) -> None:
@@ -127,14 +129,16 @@ def test_wandb_id_is_stable_across_processes_and_races(tmp_path: Path) -> None:
     assert run_id.isalnum() and 8 <= len(run_id) <= 64
     assert (tmp_path / "wandb-run-id").read_text().strip() == run_id
     assert sorted(os.listdir(tmp_path)) == ["wandb-run-id"]  # no temporary file left
-    args = unbroken.wandb_init_args(tmp_path, project="p", config={"lr": 1})
+    args = unbroken.integrations.wandb_init_args(tmp_path, project="p", config={"lr": 1})
     assert args == {"id": run_id, "resume": "allow", "project": "p", "config": {"lr": 1}}
-    assert unbroken.wandb_run_id(tmp_path / "other") != run_id  # another run, another id
+    assert (
+        unbroken.integrations.wandb_run_id(tmp_path / "other") != run_id
+    )  # another run, another id
 
 
 def test_wandb_args_refuse_what_they_set_and_a_bad_id_file(tmp_path: Path) -> None:
     with pytest.raises(unbroken.ConfigError, match="resume"):
-        unbroken.wandb_init_args(tmp_path, resume="never")
+        unbroken.integrations.wandb_init_args(tmp_path, resume="never")
     (tmp_path / "wandb-run-id").write_text("not an id!\n")
     with pytest.raises(unbroken.ConfigError, match="wandb-run-id does not hold a W&B run id"):
-        unbroken.wandb_init_args(tmp_path)
+        unbroken.integrations.wandb_init_args(tmp_path)

@@ -38,6 +38,7 @@ from unbroken.verify import (
 )
 from unbroken.verify._plan import next_target
 from unbroken.verify._report import (
+    BATCH_MADE,
     GENERATOR,
     LOADER,
     LR,
@@ -448,7 +449,7 @@ class History:
 
 
 class Timer:
-    """Lightning's Timer callback as LightningResume tracks it: seconds elapsed per stage."""
+    """Lightning's Timer callback as LightningCallback tracks it: seconds elapsed per stage."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
@@ -540,6 +541,19 @@ def test_a_difference_at_the_first_step_after_a_resume_is_named_a_resume_problem
     samples = Difference(11, "metrics", "samples", "metric", "[1, 2]", "[3, 4]")
     cmp = _resume_cmp(samples, loss, weight, s11={"loss": False, "samples": False})
     assert hints_for(cmp, resumed_from=[10])[0].startswith(SAMPLES.split("{")[0])
+    # Only a checksum of the batch differs and the loader agrees: the collate's own generator
+    # (issue 49: DataCollatorForLanguageModeling(seed=...)), not the data position.
+    batch = Difference(11, "metrics", "batch", "metric", "4467", "4557")
+    cmp = _resume_cmp(batch, loss, weight, s11={"loss": False, "batch": False})
+    hints = hints_for(cmp, resumed_from=[10])
+    assert hints[0].startswith(BATCH_MADE.split("{")[0]) and "seed=" in hints[0], hints
+    assert "metrics.batch" in hints[0] and GENERATOR in hints, hints
+    # ... unless the loader's position differs too: then it is the data position.
+    moved = Difference(15, "loader", "epoch", "value", "1", "2")
+    cmp = _resume_cmp(batch, loss, moved, weight, s11={"loss": False, "batch": False})
+    hints = hints_for(cmp, resumed_from=[10])
+    assert SAMPLES.format(step=11, resume=10) in hints, hints
+    assert not any(h.startswith(BATCH_MADE.split("{")[0]) for h in hints), hints
     # Before the first resume took effect it stays non-determinism.
     early = Difference(9, "metrics", "loss", "metric", "2.31", "2.29")
     assert hints_for(_resume_cmp(early, weight), resumed_from=[10])[0] == NONDET.format(resume=10)

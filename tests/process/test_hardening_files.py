@@ -21,7 +21,8 @@ import torch
 
 import unbroken
 from tests._store_helpers import REPO, deadline
-from unbroken import LockError, UnsafeCheckpointError
+from unbroken import LockError
+from unbroken.errors import UnsafeCheckpointError
 from unbroken.process._logfile import last_logged_step
 from unbroken.store import CheckpointStore, WriterLock
 

@@ -126,6 +126,8 @@ def test_checkpoints_none_of_which_loads_are_an_error_not_a_fresh_start(tmp_path
     (abandoned,) = glob.glob(os.path.join(run, "checkpoints", "abandoned-*"))
     kept = files_of(abandoned)
     for name, data in before.items():
+        if name.startswith(os.path.join("oracle", "")):
+            continue  # the script's own record (tests/scripts/_oracle.py): not unbroken's to move
         moved = name.replace(os.path.join("checkpoints", ""), "", 1)
         assert kept[moved] == data, name
     assert [m["step"] for m in unbroken.read_metrics(run)] == [1, 2, 3]

@@ -54,7 +54,7 @@ def hold(name, seen):
         time.sleep(0.01)
 
 def stop_recorded():
-    from unbroken import _signals
+    from unbroken.process import _signals
     active = _signals._active
     return _signals.pending() is not None or (active is not None and active.requested)
 
@@ -86,7 +86,7 @@ import unbroken
 unbroken.seed_everything(0)
 g = torch.Generator().manual_seed(0)
 x, y = torch.randn(96, 4, generator=g), torch.randn(96, 1, generator=g)
-loader = unbroken.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=True,
+loader = unbroken.MapLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=True,
                              seed=1)
 model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Dropout(0.1),
                             torch.nn.Linear(8, 1))

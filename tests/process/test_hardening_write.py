@@ -24,8 +24,7 @@ import torch
 
 import unbroken
 from tests._store_helpers import REPO, latest, transients
-from unbroken import CheckpointWriteError
-from unbroken._errors import root_oserror
+from unbroken.errors import CheckpointWriteError, root_oserror
 from unbroken.state import Counters, Registry
 from unbroken.store import CheckpointStore
 
@@ -183,7 +182,7 @@ def test_torch_zip_writer_unwinding_on_a_full_disk_still_reads_as_enospc(small_d
     from torch.distributed.checkpoint.api import CheckpointException
 
     from unbroken import CorruptCheckpointError
-    from unbroken._errors import write_error as _write_error
+    from unbroken.errors import write_error as _write_error
     from unbroken.store import _fsops
 
     fill(small_disk, leave=100_000)

@@ -57,7 +57,7 @@ c_journal = libc.fopen(os.path.join(OUT, "c-journal.txt").encode(), b"a")
 
 g = torch.Generator().manual_seed(0)
 x, y = torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)
-loader = unbroken.DataLoader(
+loader = unbroken.MapLoader(
     torch.utils.data.TensorDataset(x, y), batch_size=4, shuffle=True, seed=1
 )
 torch.manual_seed(0)

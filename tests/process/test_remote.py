@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import unbroken
-from unbroken import CorruptCheckpointError, RemoteStoreError
+from unbroken import CorruptCheckpointError
+from unbroken.errors import RemoteStoreError
 from unbroken.store import CheckpointStore, Retention
 from unbroken.store.remote._bucket import RemoteStore
 from unbroken.store.remote._s3 import PART_BYTES

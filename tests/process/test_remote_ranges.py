@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import unbroken
-from unbroken import CorruptCheckpointError, RemoteStoreError
+from unbroken import CorruptCheckpointError
+from unbroken.errors import RemoteStoreError
 from unbroken.store import CheckpointReader
 from unbroken.store.remote import _object_reader, _s3
 from unbroken.store.remote._bucket import RemoteStore

@@ -48,7 +48,7 @@ a = p.parse_args()
 g = torch.Generator().manual_seed(0)
 x, y = torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)
 data = torch.utils.data.TensorDataset(x, y)
-loader = unbroken.DataLoader(
+loader = unbroken.MapLoader(
     data, batch_size=4, shuffle=True, seed=1, num_workers=2, persistent_workers=True
 )
 model = torch.nn.Linear(4, 1)

@@ -352,11 +352,11 @@ def test_which_commands_the_shallow_standby_can_wait_for() -> None:
 
 _WAITER = """
 import os, sys, time
-from unbroken import _signals
-from unbroken.train import _standby
+from unbroken.process import _signals
+from unbroken.train import _as_standby
 t0 = time.time()
-_standby.wait_for_turn()
-_standby.wait_for_turn()  # a second Run(): no wait
+_as_standby.wait_for_turn()
+_as_standby.wait_for_turn()  # a second Run(): no wait
 name = open("/proc/self/comm").read().strip()
 print(_signals.process_start() >= t0, "UNBROKEN_STANDBY" in os.environ, name, flush=True)
 """

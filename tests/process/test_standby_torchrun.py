@@ -122,8 +122,8 @@ def _which(name: str) -> str:
 
 _WAITER = """
 import sys
-from unbroken.train import _standby
-_standby.wait_for_turn()
+from unbroken.train import _as_standby
+_as_standby.wait_for_turn()
 print("went", flush=True)
 """
 

@@ -25,9 +25,9 @@ from tests.golden import ROOT
 from unbroken import ConfigError
 
 
-def _loader(n: int = 12, batch: int = 4) -> unbroken.DataLoader:
+def _loader(n: int = 12, batch: int = 4) -> unbroken.MapLoader:
     data = torch.utils.data.TensorDataset(torch.arange(n, dtype=torch.float32)[:, None])
-    return unbroken.DataLoader(data, batch_size=batch, shuffle=True, seed=0)
+    return unbroken.MapLoader(data, batch_size=batch, shuffle=True, seed=0)
 
 
 def test_an_epoch_without_run_step_is_an_error_naming_it(tmp_path: Path) -> None:
@@ -86,7 +86,7 @@ _NO_STEP = r"""
 import os, sys, time
 import torch, unbroken
 data = torch.utils.data.TensorDataset(torch.arange(40, dtype=torch.float32)[:, None])
-loader = unbroken.DataLoader(data, batch_size=4, shuffle=True, seed=0, num_workers=1)
+loader = unbroken.MapLoader(data, batch_size=4, shuffle=True, seed=0, num_workers=1)
 run = unbroken.Run(sys.argv[1], loader=loader, progress=False)
 print("start", flush=True)
 for epoch in run.epochs(50):

@@ -36,8 +36,9 @@ from tests._store_helpers import (
     symlink_for,
     write_manifest_raw,
 )
-from unbroken import CorruptCheckpointError, Run, UnsafeCheckpointError
+from unbroken import CorruptCheckpointError, Run
 from unbroken.cli import main
+from unbroken.errors import UnsafeCheckpointError
 from unbroken.store import CheckpointReader, CheckpointStore
 
 REFUSED = (UnsafeCheckpointError, CorruptCheckpointError)

@@ -31,7 +31,7 @@ from tests._store_helpers import (
     train,
     transients,
 )
-from unbroken import CheckpointWriteError
+from unbroken.errors import CheckpointWriteError
 from unbroken.store import CheckpointStore, Retention
 
 

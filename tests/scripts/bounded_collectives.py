@@ -9,7 +9,8 @@ import time
 
 import torch.distributed as dist
 
-from unbroken import CollectiveTimeoutError, _dist
+from unbroken import _dist
+from unbroken.errors import CollectiveTimeoutError
 
 p = argparse.ArgumentParser()
 p.add_argument("--run-dir", required=True)

@@ -57,7 +57,7 @@ def main() -> None:
     if a.bug == "loader":
         loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
     else:
-        loader = unbroken.DataLoader(data, batch_size=8, shuffle=True, seed=0)
+        loader = unbroken.MapLoader(data, batch_size=8, shuffle=True, seed=0)
         comps["loader"] = loader
     run = unbroken.Run(
         a.run_dir, **comps, save_every=a.save_every, max_steps=a.steps, progress=False

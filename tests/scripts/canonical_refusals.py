@@ -1,4 +1,4 @@
-"""On 2 gloo ranks, what CanonicalShards refuses: K not divisible by the world size, FSDP2.
+"""On 2 gloo ranks, what CanonicalGradients refuses: K not divisible by the world size, FSDP2.
 
 Prints one line per refusal (the ConfigError's text) and exits 0 when both were refused.
 """
@@ -17,7 +17,7 @@ def main() -> None:
     _, world = unbroken.init_distributed()
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     try:
-        unbroken.CanonicalShards(model, 3)
+        unbroken.train.CanonicalGradients(model, 3)
     except unbroken.ConfigError as e:
         print("refused:", e, file=sys.stderr, flush=True)
     else:
@@ -27,7 +27,7 @@ def main() -> None:
 
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     try:
-        unbroken.CanonicalShards(model, 2)
+        unbroken.train.CanonicalGradients(model, 2)
     except unbroken.ConfigError as e:
         print("refused:", e, file=sys.stderr, flush=True)
     else:

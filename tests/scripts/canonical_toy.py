@@ -66,10 +66,10 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     scaler = torch.amp.GradScaler("cpu", enabled=a.amp, init_scale=2.0**10)
     ema = unbroken.EMA(model, decay=0.9)
-    loader = unbroken.DataLoader(Noisy(72), batch_size=a.batch_size, seed=7)
-    canon = unbroken.CanonicalShards(net, a.shards, scaler=scaler) if a.shards else None
-    settings = unbroken.Settings(
-        lr=unbroken.WarmupCosine(peak=3e-3, warmup=min(3, a.steps - 1), total=a.steps),
+    loader = unbroken.MapLoader(Noisy(72), batch_size=a.batch_size, seed=7)
+    canon = unbroken.train.CanonicalGradients(net, a.shards, scaler=scaler) if a.shards else None
+    settings = unbroken.train.Settings(
+        lr=unbroken.train.WarmupCosine(peak=3e-3, warmup=min(3, a.steps - 1), total=a.steps),
         grad_accum=a.accum,
     )
     run = unbroken.Run(

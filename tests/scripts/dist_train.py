@@ -52,7 +52,7 @@ def main() -> None:
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     noise = torch.Generator().manual_seed(7 + rank)
-    loader = unbroken.DataLoader(
+    loader = unbroken.MapLoader(
         data, batch_size=12, shuffle=True, seed=3, num_workers=a.workers, drop_last=True
     )
     comps: dict[str, object] = {"model": net, "optimizer": opt, "loader": loader}

@@ -31,14 +31,14 @@ def main() -> None:
     data = torch.utils.data.TensorDataset(torch.randn(10, 3), torch.randn(10, 1))
     model = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = unbroken.DataLoader(data, batch_size=3, shuffle=True, seed=0)
+    loader = unbroken.MapLoader(data, batch_size=3, shuffle=True, seed=0)
     started: list[int] = []
     run = unbroken.Run(
         a.run_dir,
         model=model,
         optimizer=opt,
         loader=loader,
-        settings=unbroken.Settings(grad_accum=a.accum),
+        settings=unbroken.train.Settings(grad_accum=a.accum),
         on_epoch_start=lambda ctx: started.append(ctx.epoch),
         save_every=2,
         max_steps=a.steps,

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments, set_seed
 
-from unbroken.integrations import UnbrokenTrainer
+from unbroken.integrations import TransformersTrainer
 
 EXAMPLE = runpy.run_path(str(Path(__file__).parents[2] / "examples" / "hf_trainer_lm.py"))
 
@@ -69,7 +69,7 @@ def main() -> None:
             None if a.find_unused_parameters is None else a.find_unused_parameters == "true"
         ),
     )
-    trainer = UnbrokenTrainer(
+    trainer = TransformersTrainer(
         model=GPT2LMHeadModel(config), args=args, train_dataset=EXAMPLE["CharWindows"](data)
     )
     trainer.train()

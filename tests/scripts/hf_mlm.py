@@ -1,7 +1,7 @@
-"""A new user's masked-LM ``UnbrokenTrainer`` script: a collator that draws random numbers.
+"""A new user's masked-LM ``TransformersTrainer`` script: a collator that draws random numbers.
 
     python tests/scripts/hf_mlm.py --run-dir D [--steps N] [--save-every K] [--workers W]
-        [--eval-every E]
+        [--eval-every E] [--collator-seed N]
 
 A tiny randomly initialised BERT (``BertConfig``, dropout 0.1, no download) trained on
 variable-length token sequences with transformers' own ``DataCollatorForLanguageModeling``
@@ -11,6 +11,11 @@ stream, dynamic padding), after a random crop of every sequence drawn from Pytho
 0 workers, the workers otherwise). Gradient accumulation over 2 micro-batches, warmup + cosine.
 Each step's metrics line holds ``batch``, a checksum of the step's micro-batches as the model
 got them (crops, masks, labels), so a divergence names the first step whose data differ.
+
+``--collator-seed N`` is the broken variant (issue 49): ``DataCollatorForLanguageModeling(seed=N)``
+masks from a generator of its own, made at its first call and never saved, so a resumed run masks
+from that generator's start again. ``TransformersTrainer`` refuses it unless ``strict=False``,
+which the option passes: the run goes on and ``unbroken verify`` must catch the inexact resume.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from transformers import (
     set_seed,
 )
 
-from unbroken.integrations import UnbrokenTrainer
+from unbroken.integrations import TransformersTrainer
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz"]
 
@@ -48,7 +53,7 @@ class CropThenMask:
         return self.mlm(cropped)
 
 
-class Trainer(UnbrokenTrainer):
+class Trainer(TransformersTrainer):
     """Logs a checksum of the step's training micro-batches (``batch``) in its metrics line."""
 
     def compute_loss(self, model, inputs, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -72,6 +77,12 @@ def main() -> int:
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: never)")
     p.add_argument("--samples", type=int, default=36, help="sequences in the train set")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--collator-seed",
+        type=int,
+        default=None,
+        help="mask from the collator's own generator (not resumable; runs with strict=False)",
+    )
     a = p.parse_args()
 
     torch.set_num_threads(1)
@@ -97,7 +108,8 @@ def main() -> int:
         return out
 
     train, held_out = sequences(a.samples), sequences(8)
-    collator = CropThenMask(DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.25))
+    mlm = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.25, seed=a.collator_seed)
+    collator = CropThenMask(mlm)
     args = TrainingArguments(
         output_dir=a.run_dir,
         max_steps=a.steps,
@@ -124,6 +136,7 @@ def main() -> int:
         train_dataset=train,
         eval_dataset=held_out if a.eval_every else None,
         data_collator=collator,
+        strict=a.collator_seed is None,
     )
     trainer.train()
     print(f"done: {trainer.state.global_step} steps", flush=True)

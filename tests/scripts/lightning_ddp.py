@@ -5,7 +5,7 @@ devices=W, strategy="ddp")`` over gloo.
     python tests/scripts/lightning_ddp.py --run-dir D [--steps N] [--save-every K] [--accum A]
         [--term-rank R --term-at K]
 
-The change to the example: the ``unbroken.DataLoader`` is built in ``train_dataloader()``,
+The change to the example: the ``unbroken.MapLoader`` is built in ``train_dataloader()``,
 after Lightning initialised the process group, so each rank takes its slice of every global
 batch (built before ``fit``, it would be a one-process loader on every rank).
 ``--term-rank R --term-at K``: rank R alone sends itself SIGTERM as step K + 1 starts.
@@ -23,7 +23,7 @@ import pytorch_lightning as pl
 import torch
 
 import unbroken
-from unbroken.integrations import LightningResume
+from unbroken.integrations import LightningCallback
 
 EXAMPLE = runpy.run_path(str(Path(__file__).parents[2] / "examples" / "lightning_lm.py"))
 
@@ -40,8 +40,8 @@ class DDPCharLM(EXAMPLE["LitCharLM"]):  # type: ignore[misc, valid-type]
         if self.term == (self.trainer.global_rank, self.trainer.global_step):
             os.kill(os.getpid(), signal.SIGTERM)
 
-    def train_dataloader(self) -> unbroken.DataLoader:
-        return unbroken.DataLoader(
+    def train_dataloader(self) -> unbroken.MapLoader:
+        return unbroken.MapLoader(
             self.data, batch_size=self.batch_size, shuffle=True, seed=0, num_workers=self.workers
         )
 
@@ -78,7 +78,7 @@ def main() -> None:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[LightningResume(a.run_dir, save_every=a.save_every)],
+        callbacks=[LightningCallback(a.run_dir, save_every=a.save_every)],
     )
     if a.term_rank is not None:
         model.term = (a.term_rank, a.term_at)

@@ -1,5 +1,5 @@
 """The unified ``lightning`` package (``import lightning as L``; ``lightning.pytorch``): a
-LightningDataModule whose loaders are unbroken.DataLoaders, a validation loop every few steps,
+LightningDataModule whose loaders are unbroken.MapLoaders, a validation loop every few steps,
 and a per-step field of the metrics log returned by ``training_step``. The examples' contract:
 --run-dir, --steps, --save-every, automatic resume, RUN/final.safetensors, RUN/trace.jsonl,
 exit 75 when stopped."""
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import unbroken
-from unbroken.integrations import LightningResume
+from unbroken.integrations import LightningCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from char_lm import CORPUS, CharLM, Crops  # noqa: E402
@@ -40,12 +40,12 @@ class Chars(L.LightningDataModule):
         self.val.n = min(self.val.n, 8)
 
     def train_dataloader(self):
-        return unbroken.DataLoader(
+        return unbroken.MapLoader(
             self.train, batch_size=self.batch_size, shuffle=True, seed=0, num_workers=self.workers
         )
 
     def val_dataloader(self):
-        return unbroken.DataLoader(self.val, batch_size=4, seed=0)
+        return unbroken.MapLoader(self.val, batch_size=4, seed=0)
 
 
 class Lit(L.LightningModule):
@@ -80,7 +80,7 @@ def main() -> int:
     dm = Chars(context=16, batch_size=8, workers=a.workers, samples=40)
     dm.setup("fit")
     model = Lit(len(dm.train.chars), 16)
-    resume = LightningResume(a.run_dir, save_every=a.save_every)
+    resume = LightningCallback(a.run_dir, save_every=a.save_every)
     trainer = L.Trainer(
         max_steps=a.steps,
         val_check_interval=4,
@@ -94,7 +94,7 @@ def main() -> int:
     trainer.fit(model, datamodule=dm)
     assert resume.run is not None and resume.run.counters.step == a.steps  # the Run, reached
     unbroken.export_weights(os.path.join(a.run_dir, "final.safetensors"), model=model.net)
-    unbroken.write_trace(a.run_dir)
+    unbroken.train.write_trace(a.run_dir)
     return 0
 
 

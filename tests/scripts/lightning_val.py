@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import unbroken
-from unbroken.integrations import LightningResume
+from unbroken.integrations import LightningCallback
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -100,7 +100,7 @@ def main() -> int:
     data.n = min(data.n, a.epoch_samples)
     held_out = Crops(text[-4000:], 16, stride=8)
     held_out.n = min(held_out.n, 24)
-    loader = unbroken.DataLoader(data, batch_size=8, shuffle=True, seed=0, num_workers=a.workers)
+    loader = unbroken.MapLoader(data, batch_size=8, shuffle=True, seed=0, num_workers=a.workers)
     val_loader = torch.utils.data.DataLoader(
         Windows(held_out),
         batch_size=8,
@@ -119,7 +119,7 @@ def main() -> int:
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=True,
-        callbacks=[vals, LightningResume(a.run_dir, save_every=a.save_every)],
+        callbacks=[vals, LightningCallback(a.run_dir, save_every=a.save_every)],
     )
     trainer.fit(model, train_dataloaders=loader, val_dataloaders=val_loader)
     with open(os.path.join(a.run_dir, "val.json"), "w") as f:

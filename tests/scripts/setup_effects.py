@@ -106,7 +106,7 @@ def main() -> None:
         torch.nn.Linear(32, 1),
     )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    loader = unbroken.DataLoader(Mapped(data), batch_size=16, shuffle=True, seed=7)
+    loader = unbroken.MapLoader(Mapped(data), batch_size=16, shuffle=True, seed=7)
     run = unbroken.Run(
         a.run_dir,
         model=model,

@@ -95,11 +95,11 @@ def main() -> None:
             torch.nn.Linear(w, 3),
         )
 
-    def widen(ctx) -> unbroken.Change | None:
+    def widen(ctx) -> unbroken.train.Change | None:
         if ctx.step != a.grow_at:
             return None
         torch.manual_seed(ctx.step)  # the new layers' initial weights: the same on every rank
-        return unbroken.Change(model=build({"width": 64}), stage={"width": 64})
+        return unbroken.train.Change(model=build({"width": 64}), stage={"width": 64})
 
     model = build({"width": a.width}).to(device)
     if a.mode == "fsdp":
@@ -115,7 +115,7 @@ def main() -> None:
         net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     ema = unbroken.EMA(model, decay=0.9)
-    loader = unbroken.DataLoader(Noisy(a.n), batch_size=a.batch_size, seed=7)
+    loader = unbroken.MapLoader(Noisy(a.n), batch_size=a.batch_size, seed=7)
     read_before, t0 = _rchar(), time.perf_counter()
     run = unbroken.Run(
         a.run_dir,

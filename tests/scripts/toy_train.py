@@ -107,7 +107,7 @@ def main() -> None:
         ),
     )
     ema = unbroken.EMA(model, decay=0.9)
-    loader = unbroken.DataLoader(
+    loader = unbroken.MapLoader(
         # The late sample: position 27 of epoch 0's order, i.e. in the 4th batch of 8.
         Noisy(a.n, a.protocol, a.noise, int(unbroken.data.epoch_order(7, 0, a.n, True)[27])),
         batch_size=a.batch_size,

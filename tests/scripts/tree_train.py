@@ -3,8 +3,8 @@
     python tests/scripts/tree_train.py --run-dir D [--loader map|shards] [--workers 2]
         [--persistent] [--steps 30] [--save-every 5] [--step-sleep 0.02]
 
-``map``: ``unbroken.DataLoader`` over 24 samples, batch 8: an epoch is 3 steps, so workers
-that are not persistent start again every 3 steps. ``shards``: ``unbroken.IterableShards`` over
+``map``: ``unbroken.MapLoader`` over 24 samples, batch 8: an epoch is 3 steps, so workers
+that are not persistent start again every 3 steps. ``shards``: ``unbroken.data.IterableShards`` over
 6 shards of 5 samples read by 2 workers. MLP with dropout, AdamW, EMA, a noisy dataset (the
 noise drawn from the per-sample generator). Prints ``start N`` once the Run is open and
 ``done`` after the final save; exits 0 when complete, 75 when stopped.
@@ -71,7 +71,7 @@ def main() -> int:
     ema = unbroken.EMA(model, decay=0.9)
     loader: Any
     if a.loader == "map":
-        loader = unbroken.DataLoader(
+        loader = unbroken.MapLoader(
             Noisy(24),
             batch_size=8,
             shuffle=True,
@@ -81,7 +81,7 @@ def main() -> int:
         )
     else:
         data = Noisy(30)
-        loader = unbroken.IterableShards(
+        loader = unbroken.data.IterableShards(
             [Shard(data, k, 5) for k in range(6)],
             batch_size=8,
             seed=7,

@@ -37,14 +37,14 @@ def _run(path: Path, **kw) -> unbroken.Run:
     ("source", "names"),
     [
         pytest.param(
-            torch.utils.data.DataLoader(DATA, batch_size=4), "unbroken.DataLoader", id="map"
+            torch.utils.data.DataLoader(DATA, batch_size=4), "unbroken.MapLoader", id="map"
         ),
         pytest.param(
             torch.utils.data.DataLoader(Stream(), batch_size=2),
             "unbroken.IterableLoader",
             id="iter",
         ),
-        pytest.param(torch.utils.data.RandomSampler(DATA), "unbroken.DataLoader", id="sampler"),
+        pytest.param(torch.utils.data.RandomSampler(DATA), "unbroken.MapLoader", id="sampler"),
     ],
 )
 def test_a_plain_torch_source_in_loop_is_refused_naming_the_replacement(tmp_path, source, names):
@@ -63,13 +63,13 @@ def test_a_plain_torch_source_in_loop_is_refused_naming_the_replacement(tmp_path
     ],
 )
 def test_a_plain_torch_source_passed_to_run_names_unbroken_dataloader(tmp_path, obj):
-    with pytest.raises(ConfigError, match=r"Run keyword 'data'.*unbroken\.DataLoader") as e:
+    with pytest.raises(ConfigError, match=r"Run keyword 'data'.*unbroken\.MapLoader") as e:
         _run(tmp_path / "r", data=obj)
     assert "needs state_dict()" not in str(e.value)
 
 
 def test_an_untracked_unbroken_loader_in_loop_is_refused(tmp_path):
-    loader = unbroken.DataLoader(DATA, batch_size=4, seed=0)
+    loader = unbroken.MapLoader(DATA, batch_size=4, seed=0)
     run = _run(tmp_path / "r")
     with pytest.raises(ConfigError, match="not a component of this Run"):
         next(iter(run.loop(loader)))
@@ -92,7 +92,7 @@ def test_a_wrapper_around_a_plain_loader_is_refused(tmp_path):
 
 
 def test_tracked_loaders_and_positionless_iterables_pass(tmp_path):
-    loader = unbroken.DataLoader(DATA, batch_size=4, seed=0)
+    loader = unbroken.MapLoader(DATA, batch_size=4, seed=0)
     run = _run(tmp_path / "a", loader=loader)
     for _ in run.loop(loader):
         run.step()
@@ -151,7 +151,7 @@ def test_draws_inside_the_loop_and_before_run_are_fine(tmp_path):
 
 def _grow(ctx):
     if ctx.step == 1 and ctx.stage == 1:
-        return unbroken.Change(model=torch.nn.Linear(1, 2), stage=2)
+        return unbroken.train.Change(model=torch.nn.Linear(1, 2), stage=2)
 
 
 def test_the_replaced_optimizer_and_model_refuse_to_train(tmp_path):
@@ -186,7 +186,9 @@ def test_a_new_model_wrapping_the_old_one_still_runs(tmp_path):
 
     def wrap(ctx):
         if ctx.step == 1 and ctx.stage == 1:
-            return unbroken.Change(model=torch.nn.Sequential(ctx.model, torch.nn.ReLU()), stage=2)
+            return unbroken.train.Change(
+                model=torch.nn.Sequential(ctx.model, torch.nn.ReLU()), stage=2
+            )
 
     run = _run(
         tmp_path / "r",

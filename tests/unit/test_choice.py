@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from unbroken import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from unbroken import ConfigError, CorruptCheckpointError
+from unbroken.errors import CheckpointNotFoundError
 from unbroken.store._entry import LOCAL, REMOTE, SNAPSHOT, Entry
 from unbroken.train._choice import Decision, Listings, choose
 

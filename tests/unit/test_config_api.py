@@ -12,17 +12,8 @@ import pytest
 import torch
 
 import unbroken
-from unbroken import (
-    EMA,
-    CheckpointNotFoundError,
-    ConfigError,
-    ConfigTypeError,
-    CorruptCheckpointError,
-    LockError,
-    Run,
-    RunConfig,
-    StateError,
-)
+from unbroken import EMA, ConfigError, CorruptCheckpointError, LockError, Run, RunConfig, StateError
+from unbroken.errors import CheckpointNotFoundError, ConfigTypeError
 
 
 class Counter:
@@ -147,7 +138,7 @@ def test_the_ema_error_names_public_api_only() -> None:
     with pytest.raises(StateError) as ei:
         ema.update()
     msg = str(ei.value)
-    assert "unbroken.Change(model=...)" in msg and "unbroken.EMA(model)" in msg, msg
+    assert "unbroken.train.Change(model=...)" in msg and "unbroken.EMA(model)" in msg, msg
     assert "grow_ema" not in msg and "gone: ['bias', 'weight']" in msg, msg
 
 
@@ -159,7 +150,7 @@ def test_errors_carry_the_path_and_step_they_concern(tmp_path: Path) -> None:
         Run(tmp_path, model=torch.nn.Linear(2, 1), progress=False)
     assert lock_err.value.path == str(tmp_path)
     run.close()
-    store = unbroken.CheckpointStore(str(tmp_path))
+    store = unbroken.store.CheckpointStore(str(tmp_path))
     with pytest.raises(CheckpointNotFoundError) as missing:
         store.open(7)
     assert missing.value.step == 7 and missing.value.path.endswith("step-000000007")

@@ -55,7 +55,7 @@ def same_states(a: tuple, b: tuple) -> bool:
     )
 
 
-def epochs(loader: unbroken.DataLoader, n: int) -> list[torch.Tensor]:
+def epochs(loader: unbroken.MapLoader, n: int) -> list[torch.Tensor]:
     out = []
     for _ in range(n):
         out.extend(loader)
@@ -72,12 +72,12 @@ def late_index(seed: int, n: int, batch: int, at_batch: int) -> int:
 @pytest.mark.parametrize("stream", ALL)
 def test_watched_equals_seeding_every_stream(stream, late, workers):
     data = Draws(stream, late=late_index(5, 40, 4, 3) if late else None)
-    ref = epochs(unbroken.DataLoader(data, 4, seed=5, reseed_globals=ALL), 2)
+    ref = epochs(unbroken.MapLoader(data, 4, seed=5, reseed_globals=ALL), 2)
     random.seed(9)
     np.random.seed(9)
     torch.manual_seed(9)
     before = states()
-    watched = unbroken.DataLoader(data, 4, seed=5, num_workers=workers)
+    watched = unbroken.MapLoader(data, 4, seed=5, num_workers=workers)
     got = epochs(watched, 2)
     assert len(got) == len(ref)
     for a, b in zip(got, ref, strict=True):
@@ -92,12 +92,12 @@ def test_numpy_cached_gaussian_is_seen():
     """NumPy caches the second Gaussian of a pair outside the MT words: a sample taking the
     cached one changes no MT byte, yet must get the seeded value."""
     data = Draws("numpy", n=8)
-    ref = list(unbroken.DataLoader(data, 1, seed=2, shuffle=False, reseed_globals=ALL))
+    ref = list(unbroken.MapLoader(data, 1, seed=2, shuffle=False, reseed_globals=ALL))
     np.random.seed(3)
     np.random.randn()  # the training code leaves a Gaussian cached
     before = np.random.get_state()
     assert before[3] == 1
-    got = list(unbroken.DataLoader(data, 1, seed=2, shuffle=False))
+    got = list(unbroken.MapLoader(data, 1, seed=2, shuffle=False))
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a, b)
     after = np.random.get_state()
@@ -124,15 +124,15 @@ def test_unseen_streams_are_not_seeded():
     """A dataset that draws nothing seeds nothing (the cost of a stream is paid only once it
     is seen), and the stream it never drew from keeps moving with the training code."""
     data = Draws("python", late=-1)  # never draws
-    loader = unbroken.DataLoader(data, 4, seed=1)
+    loader = unbroken.MapLoader(data, 4, seed=1)
     epochs(loader, 1)
     seeder = loader._inner.dataset.seeder
     assert seeder.seeded == () and seeder.watched == ALL
 
 
 def test_named_streams_are_seeded_without_watching():
-    loader = unbroken.DataLoader(Draws("torch"), 4, seed=1, reseed_globals="torch")
+    loader = unbroken.MapLoader(Draws("torch"), 4, seed=1, reseed_globals="torch")
     seeder = loader._inner.dataset.seeder
     assert seeder.seeded == ("torch",) and seeder.watched == ()
-    none = unbroken.DataLoader(Draws("torch"), 4, seed=1, reseed_globals=False)
+    none = unbroken.MapLoader(Draws("torch"), 4, seed=1, reseed_globals=False)
     assert not none._inner.dataset.seeder.active

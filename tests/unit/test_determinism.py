@@ -116,7 +116,7 @@ def test_warning_is_logged_once(monkeypatch, caplog):
 
 
 def test_public():
-    assert unbroken.determinism_problems is _determinism.determinism_problems
+    assert unbroken.train.determinism_problems is _determinism.determinism_problems
     assert unbroken.make_deterministic is _determinism.make_deterministic
 
 

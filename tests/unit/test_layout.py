@@ -26,7 +26,7 @@ LAYERS = [
     "supervise",
     "cli",
 ]
-LEAVES = {"_errors", "_version", "_lazy", "_dist", "_launch"}
+LEAVES = {"errors", "_version", "_lazy", "_dist", "_launch"}
 
 
 def _modules() -> list[Path]:
@@ -65,7 +65,7 @@ def test_no_format_1_module_is_left() -> None:
 
 
 def test_the_root_holds_only_the_shared_leaves() -> None:
-    root = {p.stem for p in PACKAGE.glob("_*.py")} - {"__init__", "__main__"}
+    root = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__", "__main__"}
     assert root == LEAVES
     folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     assert folders == set(LAYERS)

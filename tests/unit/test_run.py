@@ -24,16 +24,8 @@ import torch
 import unbroken
 from tests._logs import logged
 from tests.process.test_run_signals import Child
-from unbroken import (
-    EMA,
-    CheckpointNotFoundError,
-    ConfigError,
-    LockError,
-    Run,
-    RunConfig,
-    StateError,
-    read_metrics,
-)
+from unbroken import EMA, ConfigError, LockError, Run, RunConfig, StateError, read_metrics
+from unbroken.errors import CheckpointNotFoundError
 from unbroken.store import CheckpointReader, CheckpointStore, scan
 from unbroken.train import _checkpointer as checkpointer_module
 from unbroken.train import _run as run_module
@@ -99,9 +91,9 @@ def _count_saves(run: Run) -> list[int]:
     return saved
 
 
-def _loader(n: int, batch_size: int) -> unbroken.DataLoader:
+def _loader(n: int, batch_size: int) -> unbroken.MapLoader:
     data = torch.utils.data.TensorDataset(torch.arange(float(n)).unsqueeze(1))
-    return unbroken.DataLoader(data, batch_size=batch_size, shuffle=False)
+    return unbroken.MapLoader(data, batch_size=batch_size, shuffle=False)
 
 
 # ---- 1. required state and keywords -----------------------------------------------------------
@@ -468,7 +460,7 @@ def _train_with_streams(run_dir: Path, save_every: int | None) -> tuple[list[Any
     model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     gen, npgen = torch.Generator().manual_seed(1), np.random.default_rng(2)
-    loader = unbroken.DataLoader(
+    loader = unbroken.MapLoader(
         torch.utils.data.TensorDataset(torch.randn(12, 3)), batch_size=4, seed=4
     )
     run = Run(
@@ -563,7 +555,7 @@ def test_progress_bar_shows_steps_and_next_save(tmp_path, capsys, runs):
 def test_progress_bar_of_epochs_has_a_total_and_shows_time_triggers(tmp_path, capsys, runs):
     # No max_steps: the total comes from the epochs (3 x 5 batches), so tqdm can show an ETA;
     # the time-based save and the time limit show how far away they are.
-    loader = unbroken.DataLoader(list(range(20)), batch_size=4, seed=0)
+    loader = unbroken.MapLoader(list(range(20)), batch_size=4, seed=0)
     run = runs(
         tmp_path / "run",
         **_net(),
@@ -780,7 +772,7 @@ def test_a_missing_rank_state_is_an_error_not_a_new_rank(tmp_path: Path) -> None
         logged() as said,
         pytest.raises(unbroken.CorruptCheckpointError, match="none of the 1 checkpoint"),
     ):
-        unbroken.CheckpointStore(str(tmp_path)).latest()
+        unbroken.store.CheckpointStore(str(tmp_path)).latest()
     assert any("does not list rank-00000.json" in m for m in said), said
     # The run's own check, should a reader get past the store's.
     reader = unbroken.CheckpointReader(str(ckpt))

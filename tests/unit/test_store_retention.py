@@ -25,7 +25,8 @@ from tests._store_helpers import (
     train,
     transients,
 )
-from unbroken import CheckpointNotFoundError, CheckpointWriteError, ConfigError
+from unbroken import ConfigError
+from unbroken.errors import CheckpointNotFoundError, CheckpointWriteError
 from unbroken.store import CheckpointStore, Retention
 
 

@@ -1,17 +1,21 @@
 """What makes `unbroken verify` cheap, in process: which commands are forked, the plan that
-puts the kill during a save in the first launch, the schedule a Run tells, the report's line."""
+puts the kill during a save in the first launch, the schedule a Run tells, the report's line,
+the comparison's findings as JSON (the forked comparison hands them back so)."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from unbroken.process import _stops
-from unbroken.verify import VerifyReport, plan_interrupts
+from unbroken.verify import Comparison, Difference, VerifyReport, plan_interrupts
+from unbroken.verify._findings import comparison_from_json, comparison_to_json
 from unbroken.verify._forkserver import forkable
 from unbroken.verify._report import Interruption
+from unbroken.verify._volatile import NotCompared
 
 
 @pytest.mark.parametrize(
@@ -82,3 +86,41 @@ def test_the_report_says_which_launch_was_forked() -> None:
     assert d["launched"] == ["process", "fork", "fork"] and d["side_by_side"] is True
     assert d["reference_launched"] == "process"
     assert [i["process"] for i in d["interruptions"]] == ["process", "fork"]
+
+
+def test_a_comparison_travels_as_json_from_the_forked_child() -> None:
+    """The forked comparison (unbroken.verify._compare_job) hands its findings back as JSON:
+    they come back whole -- differences, a NaN's max |Δ|, the steps after a resume as ints."""
+    cmp = Comparison(
+        [4, 8],
+        8,
+        [
+            Difference(8, "model", "weight", "tensor", "a", "b", float("nan")),
+            Difference(6, "metrics", "loss", "metric", "1.0", "2.0"),
+        ],
+        {"model": "module"},
+        ["sched"],
+        {"optimizer": ["state.3"]},
+        [{"event": "audit", "found": "x"}],
+    )
+    cmp.step_counts = ["optimizer.state.0.weight.step"]
+    cmp.world_size = 2
+    cmp.resumes = [4]
+    cmp.after_resume = {5: {"loss": True}}
+    cmp.not_compared = [NotCompared("counters.train_seconds", "unbroken", "wall-clock")]
+    back = comparison_from_json(json.loads(json.dumps(comparison_to_json(cmp))))
+    assert back.differences[1] == cmp.differences[1]
+    assert back.differences[0].step == 8 and math.isnan(back.differences[0].max_abs_diff or 0)
+    assert back.after_resume == {5: {"loss": True}} and back.not_compared == cmp.not_compared
+    assert (back.steps, back.metrics_steps, back.kinds, back.untracked_params) == (
+        cmp.steps,
+        cmp.metrics_steps,
+        cmp.kinds,
+        cmp.untracked_params,
+    )
+    assert (back.world_size, back.resumes, back.step_counts, back.audit) == (
+        2,
+        [4],
+        cmp.step_counts,
+        cmp.audit,
+    )

@@ -8,8 +8,8 @@ import re
 import sys
 from collections.abc import Sequence
 
-from .._errors import CheckpointNotFoundError, UnbrokenError
 from .._version import __version__
+from ..errors import CheckpointNotFoundError, UnbrokenError
 from ..process._exit import EXIT_FAILURE, EXIT_NO_CHECKPOINT
 from . import _commands
 
@@ -18,6 +18,7 @@ EPILOG = """exit codes: 0 success, 1 failure, 2 usage error, 3 no valid checkpoi
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``unbroken`` command's argument parser (for documentation tools)."""
     parser = argparse.ArgumentParser(
         prog="unbroken",
         description="Exact, crash-safe resume for PyTorch training.",
@@ -54,6 +55,7 @@ def plain(text: str | None) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``unbroken`` command: ``main(argv)`` returns its exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -15,7 +15,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from .._errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..process._exit import EXIT_OK
 from . import _weights
 

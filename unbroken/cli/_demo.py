@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .._errors import ConfigError
+from ..errors import ConfigError
 from ..process._exit import EXIT_FAILURE, EXIT_OK
 from ..process._logfile import read_metrics
 

@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from .._errors import CheckpointError
+from ..errors import CheckpointError
 from ..process._exit import EXIT_OK
 from . import _weights
 

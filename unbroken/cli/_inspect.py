@@ -21,7 +21,7 @@ from array import array
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..process._exit import EXIT_NO_CHECKPOINT, EXIT_OK, EXIT_USAGE
 
 if TYPE_CHECKING:  # imported where used: `unbroken --help` must not import torch

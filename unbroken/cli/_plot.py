@@ -13,7 +13,7 @@ import math
 import os
 from typing import Any
 
-from .._errors import CheckpointError, CheckpointNotFoundError
+from ..errors import CheckpointError, CheckpointNotFoundError
 from ..process._exit import EXIT_OK
 from ..process._logfile import METRICS_FILE, read_metrics
 from . import _weights

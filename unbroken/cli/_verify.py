@@ -25,12 +25,12 @@ and the exact component and key that differ, where the runs part relative to the
 and hints at the likely cause, ranked from there.
 
 The interrupted run trains beside the reference where the machine has 2 cores or more
-(--one-at-a-time: after it), planned from the max_steps and save_every its Run reports. Its
-first launch, which is also the one killed during a save, starts CMD as a new process; the
-reference and the relaunches after a SIGKILL or SIGTERM are forked from an interpreter that
-imported torch once, as new processes that resume from the run directory (--no-fork: every
-launch a new process; only `python SCRIPT.py ...` and `python -m MODULE ...` can be forked).
-The report says which launch was which.
+(--one-at-a-time: after it), planned from the max_steps and save_every its Run reports. The
+reference starts CMD as a new process; every launch of the interrupted run (the one killed
+during a save too) is forked from an interpreter that imported torch once, as a new process
+that starts from scratch or resumes from the run directory, and the comparison runs in a fork
+of it too (--no-fork: every launch a new process; only `python SCRIPT.py ...` and `python -m
+MODULE ...` can be forked). The report says which launch was which.
 
 CMD must use unbroken.Run and take its run directory from the placeholder {{run_dir}} in its
 arguments (replaced by each run's directory) or from the environment variable
@@ -90,8 +90,8 @@ def run(args: argparse.Namespace) -> int:
     if not cmd:
         print("unbroken verify: give the training command after --", file=sys.stderr)
         return EXIT_USAGE
-    from .._errors import ConfigError
-    from ..verify import VerifyError, verify_resume  # imports torch: keep `--help` fast
+    from ..errors import ConfigError
+    from ..verify import VerifyError, verify_resume  # no torch: the comparison imports it
 
     bar = _StepBar() if not args.quiet and sys.stderr.isatty() else None
 

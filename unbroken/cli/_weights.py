@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._errors import CheckpointError
+from ..errors import CheckpointError
 
 if TYPE_CHECKING:
     import torch

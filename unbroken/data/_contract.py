@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
 from .. import _dist
-from .._errors import ConfigError
+from ..errors import ConfigError
 
 
 @runtime_checkable

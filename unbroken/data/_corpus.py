@@ -2,7 +2,7 @@
 
 Item ``i`` of a :class:`TextCorpus` is the tuple of line ``i`` of every file, decoded and without
 its newline, each passed through the file's ``tokenize`` callable if one is given. The corpus is
-map-style, so :class:`unbroken.DataLoader` (or :class:`unbroken.data.TokenBatchLoader`) shuffles
+map-style, so :class:`unbroken.MapLoader` (or :class:`unbroken.data.TokenBatchLoader`) shuffles
 it per epoch from (seed, epoch) and resumes it exactly.
 
 :class:`EpochOrder` is the epoch's order of the items: a full permutation fixed by (seed, epoch),
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .._errors import ConfigError, DataError
+from ..errors import ConfigError, DataError
 from . import _seeding
 from ._index import LineIndex
 
@@ -34,7 +34,7 @@ class EpochOrder:
     """The order of ``n`` items in epoch ``epoch``; ``slice(a, b)`` gives positions [a, b).
 
     With ``chunk_lines=None`` it is ``unbroken.data.epoch_order(seed, epoch, n, shuffle)`` (the
-    permutation :class:`unbroken.DataLoader` uses), computed once. With ``chunk_lines=C``
+    permutation :class:`unbroken.MapLoader` uses), computed once. With ``chunk_lines=C``
     the chunks ``[0, C), [C, 2C), ...`` are permuted, then each chunk's lines, so a window of
     the order reads one or two chunks of the file (page-cache friendly) and only the chunks a
     slice touches are ever permuted::

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .._errors import DataError
+from ..errors import DataError
 from ..process import _log
 
 log = _log.get("data")

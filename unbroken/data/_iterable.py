@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.utils.data as tud
 
-from .._errors import ConfigError, DataError
+from ..errors import ConfigError, DataError
 from ..process import _signals
 from ..state import Stateful
 from ._contract import LoaderBase
@@ -87,7 +87,7 @@ class IterableLoader(LoaderBase):
             else:
                 self._exhausted = True
             if not items or (self.drop_last and len(items) < self.batch_size):
-                # Like DataLoader: ``epoch`` stays the finished epoch until the next pass.
+                # Like MapLoader: ``epoch`` stays the finished epoch until the next pass.
                 self._ended = self._exhausted = True
                 return
             self._count(len(items))

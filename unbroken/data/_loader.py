@@ -1,4 +1,5 @@
-"""A resumable DataLoader for map-style datasets.
+"""MapLoader: a resumable loader for map-style datasets (what torch calls a ``Dataset`` with
+``__len__`` and ``__getitem__``).
 
 The position is (epoch, samples consumed) in a global stream: epoch e's order is a permutation
 fixed by (seed, e); a global batch takes the next B samples; rank r of W takes its slice. So
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 import torch.utils.data as tud
 
-from .._errors import ConfigError, DataError
+from ..errors import ConfigError, DataError
 from . import _seeding, _workers
 from ._contract import LoaderBase
 from ._global_streams import BatchSeeder, KeyedBatch, SampleSeeder
@@ -50,7 +51,7 @@ class _Plan:
 class _Batches:
     """The batch sampler handed to torch's DataLoader; each pass follows the loader's plan."""
 
-    def __init__(self, loader: DataLoader) -> None:
+    def __init__(self, loader: MapLoader) -> None:
         self._loader = loader
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
@@ -115,8 +116,14 @@ class _SeededFetch(tud.Dataset[Any]):
         return len(self.dataset)
 
 
-class DataLoader(LoaderBase):
+class MapLoader(LoaderBase):
     """Resumable loader over a map-style dataset; track it like any component.
+
+    Not a drop-in ``torch.utils.data.DataLoader`` (hence its own name, docs/design.md): its
+    ``batch_size`` is global, it shuffles by default, from ``seed``, and it takes no
+    ``sampler``, ``batch_sampler`` or ``generator`` (the order is its own, and so is the
+    position it saves; :class:`unbroken.data.SamplerLoader` reads a sampler of your own).
+    The other arguments are torch's, keyword-only.
 
     ``batch_size`` is the *global* batch size (all ranks together) and may be changed at any
     time, e.g. by a schedule. ``rank``/``world_size`` default to torch.distributed's.
@@ -129,7 +136,7 @@ class DataLoader(LoaderBase):
 
     Example::
 
-        loader = unbroken.DataLoader(dataset, batch_size=32, shuffle=True, seed=0, num_workers=2)
+        loader = unbroken.MapLoader(dataset, batch_size=32, shuffle=True, seed=0, num_workers=2)
         run = unbroken.Run("runs/x", model=model, optimizer=opt, loader=loader)
         for epoch in run.epochs(10):
             for x, y in loader:
@@ -155,10 +162,13 @@ class DataLoader(LoaderBase):
         reseed_globals: bool | str | Sequence[str] = True,
         rank: int | None = None,
         world_size: int | None = None,
+        **unknown: Any,
     ) -> None:
+        if unknown:
+            raise ConfigError(_unknown_arguments(unknown))
         if isinstance(dataset, tud.IterableDataset) or not hasattr(dataset, "__len__"):
             raise ConfigError(
-                "DataLoader needs a map-style dataset with __len__; for an iterable dataset "
+                "MapLoader needs a map-style dataset with __len__; for an iterable dataset "
                 "use unbroken.IterableLoader"
             )
         if num_workers < 0:
@@ -335,3 +345,18 @@ class DataLoader(LoaderBase):
         self.position = int(state_dict["position"])
         self._ended = bool(state_dict.get("ended", False))
         self._restart = self._plan is not None
+
+
+def _unknown_arguments(unknown: dict[str, Any]) -> str:
+    """What to do instead of a torch DataLoader argument MapLoader does not take."""
+    names = ", ".join(sorted(unknown))
+    text = f"MapLoader got argument(s) it does not take: {names}."
+    if {"sampler", "batch_sampler"} & set(unknown):
+        text += (
+            " MapLoader draws its own order from (seed, epoch), which is what lets it resume "
+            "mid-epoch on any world size; for a sampler of your own use "
+            "unbroken.data.SamplerLoader(dataset, sampler=..., batch_size=...)."
+        )
+    if "generator" in unknown:
+        text += " The shuffle is seeded by seed=...: pass seed instead of a generator."
+    return text + " Its arguments: docs/api.md (MapLoader)."

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from .._errors import ConfigError, DataError
+from ..errors import ConfigError, DataError
 from . import _workers
 from ._contract import LoaderBase
 from ._loader import _SeededFetch
@@ -51,13 +51,13 @@ class SamplerLoader(LoaderBase):
     produced) and ``load_state_dict()`` (the next ``iter()`` continues from there); a pass that
     ends should leave it ready for the next one. ``set_epoch(e)`` is called when it has one.
     Its indices are the *global* stream (the same on every rank): with ``world_size`` ranks
-    each takes a contiguous slice of every batch, as :class:`unbroken.DataLoader` does::
+    each takes a contiguous slice of every batch, as :class:`unbroken.MapLoader` does::
 
         loader = unbroken.data.SamplerLoader(dataset, sampler=MySampler(...), batch_size=32,
                                              num_workers=2)
 
     A sampler without ``state_dict`` is refused: its position could only be found again by
-    replaying it. Use :class:`unbroken.DataLoader` (its order is a function of (seed, epoch)).
+    replaying it. Use :class:`unbroken.MapLoader` (its order is a function of (seed, epoch)).
     """
 
     def __init__(
@@ -89,7 +89,7 @@ class SamplerLoader(LoaderBase):
             raise ConfigError(
                 f"{what} {type(source).__qualname__} has no state_dict()/load_state_dict(), so "
                 "its position cannot be saved (only replayed). Give it those two methods, or "
-                "use unbroken.DataLoader(dataset, batch_size, shuffle=..., seed=...), whose "
+                "use unbroken.MapLoader(dataset, batch_size, shuffle=..., seed=...), whose "
                 "order is a function of (seed, epoch) and resumes without a replay"
             )
         if sampler is not None and (batch_size is None or int(batch_size) < 1):
@@ -153,7 +153,7 @@ class SamplerLoader(LoaderBase):
                 if not idx or (self.drop_last and len(idx) < self.batch_size):
                     return
             if self.world_size > 1 and len(idx) < self.world_size:
-                return  # too few to give every rank a sample, as unbroken.DataLoader
+                return  # too few to give every rank a sample, as unbroken.MapLoader
             yield idx, exhausted
 
     def _local_slice(self, global_idx: list[int]) -> list[int]:

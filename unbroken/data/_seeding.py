@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import xxhash
 
-from .._errors import ConfigError
+from ..errors import ConfigError
 
 _MASK63 = (1 << 63) - 1
 
@@ -23,6 +23,7 @@ def derive(*parts: int, domain: bytes = b"") -> int:
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of one sample of one epoch: ``derive(seed, epoch, index)``."""
     return derive(seed, epoch, index, domain=b"sample")
 
 
@@ -41,6 +42,7 @@ def epoch_order(seed: int, epoch: int, n: int, shuffle: bool) -> np.ndarray:
 
 
 def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    """A ``torch.Generator`` seeded for one sample of one epoch (what ``get_sample`` receives)."""
     g = torch.Generator()
     g.manual_seed(sample_seed(seed, epoch, index))
     return g

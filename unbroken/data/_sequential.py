@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
-from .._errors import ConfigError, DataError
+from ..errors import ConfigError, DataError
 from . import _seeding, _workers
 from ._contract import LoaderBase
 

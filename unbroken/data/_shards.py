@@ -5,7 +5,7 @@ line ``i - start(shard)`` of its shard, decoded with :func:`json.loads`. Every s
 offset index (the one :class:`unbroken.data.TextCorpus` uses: built once, cached beside the file
 or in ``cache_dir``), so any line is one slice of a memory-mapped file.
 
-Its :meth:`JsonlShards.stream_order` is the epoch's order that :class:`unbroken.DataLoader`
+Its :meth:`JsonlShards.stream_order` is the epoch's order that :class:`unbroken.MapLoader`
 follows: the shards in an order fixed by (seed, epoch), and inside each shard its lines in an
 order fixed by (seed, epoch, shard) -- an exact permutation, no shuffle buffer. A slice of that
 order costs O(number of shards + the shard it falls in), so a resume at sample 10^6 costs what
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._errors import ConfigError, DataError
+from ..errors import ConfigError, DataError
 from . import _seeding
 from ._index import LineIndex
 
@@ -129,7 +129,7 @@ class ShardOrder:
 
 
 class JsonlShards:
-    """JSON-lines shard files as one dataset for :class:`unbroken.DataLoader`.
+    """JSON-lines shard files as one dataset for :class:`unbroken.MapLoader`.
 
     ``paths``: a list of files (kept in that order: a shard's number is its place in it), one
     file, or a glob pattern (its matches, sorted). Item ``i`` is a record of shard ``k`` decoded
@@ -138,7 +138,7 @@ class JsonlShards:
     index), so random augmentation is the same for any worker count and resume point::
 
         shards = unbroken.data.JsonlShards("data/train-*.jsonl", transform=encode)
-        loader = unbroken.DataLoader(shards, batch_size=64, seed=0, num_workers=2)
+        loader = unbroken.MapLoader(shards, batch_size=64, seed=0, num_workers=2)
 
     ``shuffle_lines=False`` keeps each shard's lines in file order (only the shard order is
     shuffled): reads are then sequential, kinder to slow disks. Errors are
@@ -171,7 +171,7 @@ class JsonlShards:
         self.transform, self.augment = transform, augment
         self.shuffle_lines = bool(shuffle_lines)
         if augment is not None:
-            self.get_sample = self._augmented  # the DataLoader's per-sample generator protocol
+            self.get_sample = self._augmented  # the MapLoader's per-sample generator protocol
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -235,7 +235,7 @@ class JsonlShards:
         return self.augment(self.record(index), generator)
 
     def stream_order(self, seed: int, epoch: int, shuffle: bool) -> ShardOrder:
-        """Epoch ``epoch``'s order (what :class:`unbroken.DataLoader` follows)."""
+        """Epoch ``epoch``'s order (what :class:`unbroken.MapLoader` follows)."""
         return ShardOrder(
             self.sizes, seed, epoch, shuffle=shuffle, shuffle_lines=self.shuffle_lines
         )

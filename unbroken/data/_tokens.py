@@ -38,7 +38,7 @@ import numpy as np
 import torch.utils.data as tud
 
 from .. import _dist
-from .._errors import ConfigError, DataError
+from ..errors import ConfigError, DataError
 from ..process import _log
 from . import _seeding, _workers
 from ._corpus import EpochOrder
@@ -158,7 +158,7 @@ class TokenBatchLoader:
         self.window = window
         self.epoch = 0
         self._pos = _Pos()
-        self._ended = False  # as unbroken.DataLoader: a pass here ran to the epoch's end
+        self._ended = False  # as unbroken.MapLoader: a pass here ran to the epoch's end
         self._orders: dict[int, EpochOrder] = {}
         self.last_indices: list[int] = []
         """Dataset indices of the batch yielded last (every rank's slice; for a TextCorpus

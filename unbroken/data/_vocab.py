@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .._errors import ConfigError
+from ..errors import ConfigError
 
 SPECIALS = ("<pad>", "<unk>", "<s>", "</s>")
 

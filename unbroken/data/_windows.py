@@ -2,7 +2,7 @@
 
 ``cut_window`` is a pure function of the window's samples, their lengths, the budget and a
 seed, which is what makes a window recomputable on resume. ``WindowFetch`` fetches a window's
-samples (seeded per sample, as ``unbroken.DataLoader`` does) in the main process to measure
+samples (seeded per sample, as ``unbroken.MapLoader`` does) in the main process to measure
 them; without workers it keeps them, so the batches are served without a second read.
 """
 

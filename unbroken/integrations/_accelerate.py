@@ -4,7 +4,7 @@ Accelerate already keeps the list of what a checkpoint must hold: the models, op
 schedulers it prepared, its GradScaler and the objects given to ``register_for_checkpointing``
 (``accelerator.save_state`` writes exactly these). :func:`accelerate_run` tracks the same
 objects, unwrapped to the plain torch ones, plus the accumulation counter that decides which
-micro-batch steps the optimizer, plus what you pass (the ``unbroken.DataLoader``)::
+micro-batch steps the optimizer, plus what you pass (the ``unbroken.MapLoader``)::
 
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     run = accelerate_run(accelerator, "runs/x", loader=loader, save_every=100, max_steps=1000)
@@ -15,7 +15,7 @@ micro-batch steps the optimizer, plus what you pass (the ``unbroken.DataLoader``
             run.step(loss=loss)
 
 A DataLoader that ``prepare`` wrapped (a ``DataLoaderShard``) keeps no resumable position and
-is refused; ``unbroken.DataLoader`` passes through ``prepare`` unchanged and is the position.
+is refused; ``unbroken.MapLoader`` passes through ``prepare`` unchanged and is the position.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import gc
 from typing import Any
 
-from .._errors import ConfigError
+from ..errors import ConfigError
 from ..process import _log
 from ..train._reduction import fix_layouts
 
@@ -69,7 +69,7 @@ def accelerate_run(accelerator: Any, run_dir: str, /, *, strict: bool = True, **
     """An :class:`unbroken.Run` tracking everything ``accelerator`` prepared or registered.
 
     Call it after ``accelerator.prepare(...)``. ``kwargs`` are more components (the
-    ``unbroken.DataLoader``, an ``unbroken.EMA``, ...) and ``Run`` options (``save_every``,
+    ``unbroken.MapLoader``, an ``unbroken.EMA``, ...) and ``Run`` options (``save_every``,
     ``max_steps``, ...). With ``strict=False`` what cannot be resumed exactly (a DataLoader that
     ``prepare`` wrapped, an untested sharding engine) is a warning instead of an error.
     """
@@ -87,7 +87,7 @@ def accelerate_run(accelerator: Any, run_dir: str, /, *, strict: bool = True, **
     for dl in accelerator._dataloaders:
         inexact(
             f"accelerator.prepare() wrapped a {type(dl).__qualname__}, whose mid-epoch position "
-            "accelerate replays by skipping batches; pass unbroken.DataLoader(dataset, "
+            "accelerate replays by skipping batches; pass unbroken.MapLoader(dataset, "
             "batch_size, seed=...) instead (prepare leaves it as it is) and give it here as "
             "loader=..."
         )
@@ -113,11 +113,11 @@ def accelerate_run(accelerator: Any, run_dir: str, /, *, strict: bool = True, **
     if clash:
         raise ConfigError(
             f"accelerate_run: {clash} are tracked from the accelerator already; "
-            "pass only what prepare() did not see (the unbroken.DataLoader, an EMA, ...)"
+            "pass only what prepare() did not see (the unbroken.MapLoader, an EMA, ...)"
         )
     if not any(getattr(v, "kind", None) == "loader" for v in extra.values()):
         inexact(
-            "no unbroken.DataLoader was given (loader=...); the data position would not be saved"
+            "no unbroken.MapLoader was given (loader=...); the data position would not be saved"
         )
     # DDP as prepared: one reduction layout (train/_reduction).
     fix_layouts(_prepared_models(accelerator))

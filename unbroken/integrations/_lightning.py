@@ -1,6 +1,6 @@
 """PyTorch Lightning: one callback gives a ``Trainer`` unbroken's exact resume.
 
-``LightningResume(run_dir, save_every=N)`` is a Lightning ``Checkpoint`` callback (so Lightning
+``LightningCallback(run_dir, save_every=N)`` is a Lightning ``Checkpoint`` callback (so Lightning
 runs it after every other callback and adds no default ``ModelCheckpoint``). It drives an
 :class:`unbroken.Run` from Lightning's hooks; nothing else is new:
 
@@ -9,7 +9,7 @@ runs it after every other callback and adds no default ``ModelCheckpoint``). It 
   scheduler, the precision plugin (its GradScaler), stateful callbacks and datamodule, the fit
   loop's progress and the RNG streams. The Run resumes them from the latest valid checkpoint,
   exactly where Lightning's ``restore_training_state`` would.
-- The train loader's position is the ``unbroken.DataLoader``'s own ``state_dict``, which
+- The train loader's position is the ``unbroken.MapLoader``'s own ``state_dict``, which
   Lightning's fit loop already saves and restores for stateful loaders (before it creates the
   epoch's iterator); a loader without one is refused at start-up.
 - ``on_train_start`` (after Lightning registered its SIGTERM/SLURM handlers): install unbroken's
@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from .._errors import ConfigError
 from ..data._contract import check_world
+from ..errors import ConfigError
 from ..process import _log
 from ..process._exit import EXIT_RESUMABLE
 from ..train._config import RunConfig
@@ -70,7 +70,7 @@ def _framework() -> Any:
             import lightning.pytorch as pl
         except ImportError:
             raise ConfigError(
-                "LightningResume needs PyTorch Lightning: pip install 'unbroken[lightning]'"
+                "LightningCallback needs PyTorch Lightning: pip install 'unbroken[lightning]'"
             ) from None
         return pl
     return pytorch_lightning
@@ -95,7 +95,7 @@ def step_fields(outputs: Any) -> dict[str, Any]:
     return out
 
 
-def LightningResume(  # noqa: N802 - reads as the class it returns
+def LightningCallback(  # noqa: N802 - reads as the class it returns
     run_dir: str,
     /,
     *,
@@ -116,7 +116,7 @@ def LightningResume(  # noqa: N802 - reads as the class it returns
     unknown = sorted(set(options) - _OPTIONS)
     if unknown:
         raise ConfigError(
-            f"LightningResume: {unknown} are not options here; it takes {sorted(_OPTIONS)} "
+            f"LightningCallback: {unknown} are not options here; it takes {sorted(_OPTIONS)} "
             "(max_steps comes from Trainer(max_steps=...))"
         )
     pl = _framework()
@@ -249,8 +249,8 @@ def _build(pl: Any) -> type:
     SIGTERMException = pl.utilities.exceptions.SIGTERMException
     is_overridden = pl.utilities.model_helpers.is_overridden
 
-    class LightningResume(Checkpoint):  # type: ignore[misc, valid-type]
-        """See :func:`unbroken.integrations.LightningResume`."""
+    class LightningCallback(Checkpoint):  # type: ignore[misc, valid-type]
+        """See :func:`unbroken.integrations.LightningCallback`."""
 
         def __init__(
             self,
@@ -270,6 +270,8 @@ def _build(pl: Any) -> type:
 
         @property
         def state_key(self) -> str:
+            # The key of this callback's entry in Lightning's own checkpoints: it keeps the
+            # callback's first name, so checkpoints written before the rename still match.
             return f"unbroken.LightningResume[{self.run_dir}]"
 
         # ---- start-up -----------------------------------------------------------------------
@@ -291,7 +293,7 @@ def _build(pl: Any) -> type:
             comps.update(self._callbacks(trainer))
             clash = sorted(set(comps) & set(self.extra))
             if clash:
-                raise ConfigError(f"LightningResume(extra=...): {clash} are tracked already")
+                raise ConfigError(f"LightningCallback(extra=...): {clash} are tracked already")
             comps.update(self.extra)
             self._check_module(pl_module)
             max_steps = trainer.max_steps if trainer.max_steps >= 0 else None
@@ -302,7 +304,7 @@ def _build(pl: Any) -> type:
         def _callbacks(self, trainer: Any) -> dict[str, Any]:
             out: dict[str, Any] = {}
             for cb in trainer.callbacks:
-                if cb is self or isinstance(cb, LightningResume):
+                if cb is self or isinstance(cb, LightningCallback):
                     continue
                 name = type(cb).__name__
                 if is_overridden("state_dict", cb, Callback):
@@ -342,7 +344,7 @@ def _build(pl: Any) -> type:
 
         def _inexact(self, message: str) -> None:
             if self.strict:
-                raise ConfigError(f"LightningResume: {message} (or pass strict=False)")
+                raise ConfigError(f"LightningCallback: {message} (or pass strict=False)")
             _log.event(log, logging.WARNING, "unbroken: resume will not be exact: %s", message)
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -354,7 +356,7 @@ def _build(pl: Any) -> type:
                     self._inexact(
                         f"the train dataloader is a {type(dl).__module__}.{type(dl).__qualname__}, "
                         "whose mid-epoch position cannot be restored (Lightning would replay or "
-                        "skip batches); use unbroken.DataLoader(dataset, batch_size, seed=...)"
+                        "skip batches); use unbroken.MapLoader(dataset, batch_size, seed=...)"
                     )
             # Resumed from a save at an epoch's last batch, Lightning's restart moves on to the
             # next epoch without calling on_train_epoch_start; the loader must follow it now
@@ -450,4 +452,4 @@ def _build(pl: Any) -> type:
             if self.run is not None and not self.run.closed:
                 self.run.close()
 
-    return LightningResume
+    return LightningCallback

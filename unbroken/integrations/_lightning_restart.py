@@ -1,6 +1,6 @@
 """Lightning's restart from a save taken in ``on_train_batch_end``: its validation and epochs.
 
-``LightningResume`` saves a step in ``on_train_batch_end``, before the validation Lightning
+``LightningCallback`` saves a step in ``on_train_batch_end``, before the validation Lightning
 runs after that batch (and before the epoch end after an epoch's last batch). Lightning's
 restart from such a state skips the validation due at that step (it counts it as run) and, at
 an epoch's last batch, goes on without counting the next epoch as started. So:

@@ -20,7 +20,7 @@ import os
 import secrets
 from typing import TYPE_CHECKING, Any
 
-from .._errors import ConfigError
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter

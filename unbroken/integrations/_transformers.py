@@ -1,13 +1,13 @@
 """Hugging Face ``transformers``: a ``Trainer`` subclass with unbroken's exact resume.
 
-``UnbrokenTrainer`` is a ``transformers.Trainer`` (same arguments) that drives an
+``TransformersTrainer`` is a ``transformers.Trainer`` (same arguments) that drives an
 :class:`unbroken.Run` from the Trainer's extension points (``get_train_dataloader``,
 ``training_step``, ``train``, a ``TrainerCallback``); nothing else is new. Four attributes the
 Trainer keeps outside ``TrainerState`` (``_tr_loss``, ``_total_loss_scalar``,
 ``_globalstep_last_logged``, ``current_flos``) and ``_get_collator_with_removed_columns`` are
 private names of transformers 5.23 (hence the extra's ``<6``):
 
-- ``get_train_dataloader`` (documented for overriding) returns an ``unbroken.DataLoader`` built
+- ``get_train_dataloader`` (documented for overriding) returns an ``unbroken.MapLoader`` built
   from ``train_dataset`` and the ``TrainingArguments`` (batch size, ``dataloader_num_workers``,
   seed, collator), handed to the Trainer as one stream without a length: the Trainer then runs
   ``max_steps`` optimizer steps over it (its loop keeps no data position of its own, so a
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .._errors import ConfigError
+from ..errors import ConfigError
 from ..process import _log
 from ..train._config import RunConfig
 from ..train._reduction import fix_layouts
@@ -72,7 +72,7 @@ class _Stream:
     """The loader as the Trainer sees it: batches across epochs, no length, no ``set_epoch``.
 
     Without a length the Trainer runs ``max_steps`` optimizer steps over one pass of this
-    iterator; the epoch ends and the position are the ``unbroken.DataLoader``'s.
+    iterator; the epoch ends and the position are the ``unbroken.MapLoader``'s.
     """
 
     def __init__(self, loader: Any, hooks: Any) -> None:
@@ -166,12 +166,27 @@ class _TrainerProgress:
         t.current_flos = state_dict["current_flos"]
 
 
+def _seeded_collator(collator: Any) -> Any:
+    """A collator masking from a generator of its own (``DataCollatorForLanguageModeling(
+    seed=...)``): ``collator`` itself, or one it holds (a wrapper that crops first, a
+    ``functools.partial``), else None."""
+    held = [collator, getattr(collator, "func", None)]
+    try:
+        held += list(vars(collator).values())
+    except TypeError:  # no __dict__ (slots, a builtin)
+        pass
+    for c in held:
+        if getattr(c, "seed", None) is not None and hasattr(c, "generator"):
+            return c
+    return None
+
+
 def _trainer_class() -> type:
     try:
         import transformers
     except ImportError:
         raise ConfigError(
-            "UnbrokenTrainer needs transformers: pip install 'unbroken[transformers]'"
+            "TransformersTrainer needs transformers: pip install 'unbroken[transformers]'"
         ) from None
     return transformers.Trainer
 
@@ -186,7 +201,7 @@ def _make_hooks_class() -> type:
     base = _callback_base()
 
     class _UnbrokenHooks(base):  # type: ignore[misc, valid-type]
-        """The callback half of UnbrokenTrainer (see the module docstring)."""
+        """The callback half of TransformersTrainer (see the module docstring)."""
 
         def __init__(self, trainer: Any) -> None:
             self.trainer = trainer
@@ -249,7 +264,7 @@ _CLASS: list[type] = []
 
 
 def __getattr__(name: str) -> Any:
-    if name == "UnbrokenTrainer":
+    if name == "TransformersTrainer":
         if not _CLASS:
             _CLASS.append(_build())
         return _CLASS[0]
@@ -260,7 +275,7 @@ def _build() -> type:
     Trainer = _trainer_class()
     Hooks = _make_hooks_class()
 
-    class UnbrokenTrainer(Trainer):  # type: ignore[misc, valid-type]
+    class TransformersTrainer(Trainer):  # type: ignore[misc, valid-type]
         """A ``transformers.Trainer`` whose ``train()`` resumes exactly from ``run_dir``.
 
         Takes the Trainer's arguments plus ``run_dir`` (default ``args.output_dir``),
@@ -285,9 +300,9 @@ def _build() -> type:
             unknown = sorted(set(options) - _OPTIONS)
             if unknown:
                 raise ConfigError(
-                    f"UnbrokenTrainer(run_options=...): {unknown} are not options here; it takes "
-                    f"{sorted(_OPTIONS)} (max_steps, save_steps and save_total_limit come from "
-                    "TrainingArguments)"
+                    f"TransformersTrainer(run_options=...): {unknown} are not options here; it "
+                    f"takes {sorted(_OPTIONS)} (max_steps, save_steps and save_total_limit come "
+                    "from TrainingArguments)"
                 )
             super().__init__(*args, **kwargs)
             self._unbroken_dir = run_dir or self.args.output_dir
@@ -314,14 +329,14 @@ def _build() -> type:
 
         def _unbroken_inexact(self, message: str) -> None:
             if self._unbroken_strict:
-                raise ConfigError(f"UnbrokenTrainer: {message} (or pass strict=False)")
+                raise ConfigError(f"TransformersTrainer: {message} (or pass strict=False)")
             log.warning("unbroken: resume will not be exact: %s", message)
 
         def _unbroken_check_args(self) -> None:
             a = self.args
             if a.max_steps is None or a.max_steps <= 0:
                 raise ConfigError(
-                    "UnbrokenTrainer needs TrainingArguments(max_steps=N): it counts optimizer "
+                    "TransformersTrainer needs TrainingArguments(max_steps=N): it counts optimizer "
                     "steps over the data stream, not num_train_epochs"
                 )
             strategy = str(getattr(a.save_strategy, "value", a.save_strategy))
@@ -333,20 +348,20 @@ def _build() -> type:
             if a.load_best_model_at_end:
                 self._unbroken_inexact(
                     "load_best_model_at_end needs the Trainer's own checkpoints, which "
-                    "UnbrokenTrainer does not write"
+                    "TransformersTrainer does not write"
                 )
             sampling = getattr(a, "train_sampling_strategy", "random")
             if sampling not in (None, "random"):
                 self._unbroken_inexact(
-                    f"train_sampling_strategy={sampling!r}: unbroken.DataLoader shuffles by "
+                    f"train_sampling_strategy={sampling!r}: unbroken.MapLoader shuffles by "
                     "(seed, epoch); use 'random'"
                 )
             if a.auto_find_batch_size:
                 self._unbroken_inexact("auto_find_batch_size restarts the loop with other batches")
-            collator = self.data_collator
-            if getattr(collator, "seed", None) is not None and hasattr(collator, "generator"):
+            seeded = _seeded_collator(self.data_collator)
+            if seeded is not None:
                 self._unbroken_inexact(
-                    f"{type(collator).__name__}(seed=...) masks from a generator of its own, "
+                    f"{type(seeded).__name__}(seed=...) masks from a generator of its own, "
                     "made per process and never saved, so a resume draws its numbers again from "
                     "the start; drop seed=: the loader seeds the global streams the collator "
                     "draws from per batch, from data_seed (or seed) and the batch's samples"
@@ -358,8 +373,8 @@ def _build() -> type:
         # ---- the Trainer's extension points ---------------------------------------------------
 
         def get_train_dataloader(self) -> Any:
-            """An ``unbroken.DataLoader`` over ``train_dataset``, as one length-less stream."""
-            from ..data import DataLoader
+            """An ``unbroken.MapLoader`` over ``train_dataset``, as one length-less stream."""
+            from ..data import MapLoader
 
             if self.train_dataset is None:
                 raise ValueError("Trainer: training requires a train_dataset.")
@@ -367,12 +382,12 @@ def _build() -> type:
                 ds = self.train_dataset
                 if isinstance(ds, torch.utils.data.IterableDataset) or not hasattr(ds, "__len__"):
                     raise ConfigError(
-                        "UnbrokenTrainer needs a map-style train_dataset (with __len__); an "
-                        "iterable one has no position unbroken.DataLoader can restore"
+                        "TransformersTrainer needs a map-style train_dataset (with __len__); an "
+                        "iterable one has no position unbroken.MapLoader can restore"
                     )
                 a = self.args
                 workers = a.dataloader_num_workers
-                self._unbroken_loader = DataLoader(
+                self._unbroken_loader = MapLoader(
                     ds,
                     batch_size=self._train_batch_size * a.world_size,  # global batch
                     shuffle=True,
@@ -416,7 +431,7 @@ def _build() -> type:
         def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
             if resume_from_checkpoint not in (None, False):
                 raise ConfigError(
-                    "UnbrokenTrainer.train() resumes from its run directory by itself; drop "
+                    "TransformersTrainer.train() resumes from its run directory by itself; drop "
                     "resume_from_checkpoint (the Trainer's own resume replays batches and is "
                     "not exact)"
                 )
@@ -435,9 +450,9 @@ def _build() -> type:
             hooks = self._unbroken_hooks
             if self._unbroken_loader is None:
                 raise ConfigError(
-                    "UnbrokenTrainer: training ran without the unbroken.DataLoader that "
-                    "UnbrokenTrainer.get_train_dataloader() builds (was the method overridden?); "
-                    "its position is what a resume restores"
+                    "TransformersTrainer: training ran without the unbroken.MapLoader that "
+                    "TransformersTrainer.get_train_dataloader() builds (was the method "
+                    "overridden?); its position is what a resume restores"
                 )
             hooks.position = _StepEndPosition(self._unbroken_loader)
             comps: dict[str, Any] = {"model": self.model}
@@ -450,7 +465,7 @@ def _build() -> type:
             comps.update(self._unbroken_callbacks())
             clash = sorted(set(comps) & set(self._unbroken_extra))
             if clash:
-                raise ConfigError(f"UnbrokenTrainer(extra=...): {clash} are tracked already")
+                raise ConfigError(f"TransformersTrainer(extra=...): {clash} are tracked already")
             comps.update(self._unbroken_extra)
             a = self.args
             strategy = str(getattr(a.save_strategy, "value", a.save_strategy))
@@ -492,5 +507,5 @@ def _build() -> type:
                     )
             return out
 
-    UnbrokenTrainer.__module__ = __name__
-    return UnbrokenTrainer
+    TransformersTrainer.__module__ = __name__
+    return TransformersTrainer

@@ -11,7 +11,7 @@ import os
 import stat
 from typing import Any
 
-from .._errors import UnsafeCheckpointError
+from ..errors import UnsafeCheckpointError
 
 METRICS_FILE = "metrics.jsonl"
 

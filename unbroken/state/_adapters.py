@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._errors import StateError
+from ..errors import StateError
 from ._nested import escape
 from ._stateful import Stateful
 

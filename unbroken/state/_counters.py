@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._errors import StateError
+from ..errors import StateError
 
 COUNTERS_VERSION = 1
 

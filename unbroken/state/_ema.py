@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .._errors import ConfigError, StateError
+from ..errors import ConfigError, StateError
 
 EMA_VERSION = 1
 
@@ -51,8 +51,8 @@ class EMA:
             raise StateError(
                 f"EMA: the model's state keys changed since the EMA was made (gone: {missing}, "
                 f"new: {new}); change the model through Run -- a before_step or on_epoch_start "
-                "callback returning unbroken.Change(model=...) -- which grows the EMA with it, "
-                "or make a new unbroken.EMA(model)"
+                "callback returning unbroken.train.Change(model=...) -- which grows the EMA with "
+                "it, or make a new unbroken.EMA(model)"
             )
         avg_s, avg_l, copy = [], [], []
         for k, s in self.shadow.items():

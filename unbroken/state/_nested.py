@@ -13,7 +13,7 @@ import math
 import sys
 from typing import TYPE_CHECKING, Any
 
-from .._errors import CorruptCheckpointError, StateError
+from ..errors import CorruptCheckpointError, StateError
 
 if TYPE_CHECKING:  # imported where used: decoding plain JSON (``unbroken inspect``) needs neither
     import numpy as np

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._errors import ConfigError, StateError
+from ..errors import ConfigError, StateError
 from . import _nested
 from ._adapters import (
     GenericState,
@@ -33,6 +33,8 @@ _NAME_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012345
 
 @dataclass(slots=True)
 class Component:
+    """One tracked object of a ``Registry``: its name, the object and its adapter."""
+
     name: str
     obj: Any
     adapter: Any
@@ -52,6 +54,8 @@ class Payload:
 
 @dataclass(frozen=True, slots=True)
 class TensorInfo:
+    """The shape and dtype of a saved tensor."""
+
     shape: tuple[int, ...]
     dtype: torch.dtype
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._errors import StateError
+from ..errors import StateError
 from ..process import _log
 
 RNG_VERSION = 1

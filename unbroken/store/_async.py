@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .._errors import CheckpointWriteError
+from ..errors import CheckpointWriteError
 from ..process import _log
 from ..state import Payload
 from ..state._adapters import _is_dtensor
@@ -44,6 +44,9 @@ _savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
 
 
 class AsyncSaver:
+    """Saves in a background thread: the training blocks only for the copy
+    (``Run(async_save=True)``)."""
+
     def __init__(self, store: CheckpointStore, group: Any = None) -> None:
         self.store = store
         self.group = group

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 
 MAX_SPLIT_DIMS = 3
 CORNER_BUDGET = 1 << 23

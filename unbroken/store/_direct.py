@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import xxhash
 
-from .._errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 from . import _fsops, _par, _safeio
 from ._format import ALIGN, Chunk
 from ._tablefile import hash_chunks as hash_chunks

@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from .._errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 from ._safeio import _finite, _reject_constant
 
 BLOCK = 256 << 10

@@ -15,6 +15,7 @@ _TRANSIENT = re.compile(r"^\.(tmp|del|old|part)-step-(\d+)(?:-[0-9a-f]{16})?$")
 
 
 def step_name(step: int) -> str:
+    """The directory name of step N's checkpoint (``step-000000100``)."""
     return f"step-{step:0{STEP_DIGITS}d}"
 
 
@@ -45,6 +46,7 @@ def part_name(step: int, manifest_checksum: str) -> str:
 
 
 def checkpoints_dir(run_dir: str) -> str:
+    """``RUN/checkpoints``, where the committed checkpoints of a run directory live."""
     return os.path.join(run_dir, CHECKPOINTS)
 
 

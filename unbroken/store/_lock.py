@@ -26,7 +26,7 @@ import time
 import weakref
 from typing import Any
 
-from .._errors import CheckpointWriteError, LockError
+from ..errors import CheckpointWriteError, LockError
 from ..process import _log
 from ..process._logfile import open_regular
 
@@ -47,6 +47,9 @@ def held_fds() -> list[int]:
 
 
 class WriterLock:
+    """The run directory's writer lock: one writing process per run directory
+    (``RUN/.unbroken.lock``)."""
+
     def __init__(self, run_dir: str) -> None:
         _LOCKS.add(self)
         self.run_dir = run_dir

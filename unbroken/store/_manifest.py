@@ -9,7 +9,7 @@ from typing import Any
 
 import xxhash
 
-from .._errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from ._safeio import open_regular, safe_file
 from ._safeio import read_json as read_json
 

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .._errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from ..state import _nested
 from . import _format, _layout, _manifest, _tablefile
 from ._table import Table

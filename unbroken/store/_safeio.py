@@ -16,7 +16,7 @@ import stat
 from collections.abc import Iterator
 from typing import Any
 
-from .._errors import CorruptCheckpointError, UnsafeCheckpointError
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 
 MAX_JSON_BYTES = 512 << 20
 MAX_JSON_DEPTH = 64

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from .._errors import CorruptCheckpointError, UnbrokenError, root_oserror
+from ..errors import CorruptCheckpointError, UnbrokenError, root_oserror
 from . import _direct, _format, _fsops
 from ._format import Chunk
 from ._manifest import dumps

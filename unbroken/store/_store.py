@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._errors import (
+from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointWriteError,
@@ -63,6 +63,9 @@ class Retention:
 
 @dataclass(frozen=True, slots=True)
 class Listing:
+    """One checkpoint of ``CheckpointStore.listing()``: step, path, validity and why, size,
+    commit time, pinned."""
+
     step: int
     path: str
     valid: bool

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 from . import _format, _safeio
 from ._cover import covers
 from ._format import ALIGN, DTYPE_ITEMSIZE, FORMAT, MAX_DIMS, MAX_ELEMENTS, VERSION, Chunk, Entry

@@ -12,7 +12,7 @@ from typing import Any
 
 import xxhash
 
-from .._errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 from . import _format, _safeio, _table
 from ._format import Chunk
 from ._safeio import safe_file

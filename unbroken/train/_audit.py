@@ -20,8 +20,8 @@ import torch
 import torch.optim.optimizer as optim_hooks
 import torch.utils.data as tud
 
-from .._errors import ConfigError, ResumeWarning, StateError
 from ..data._contract import is_loader
+from ..errors import ConfigError, ResumeWarning, StateError
 from ..process import _log
 from ..state import Registry
 from ..state._adapters import unwrap
@@ -58,12 +58,12 @@ def replacement(obj: Any) -> str:
         )
     if isinstance(obj, (tud.Sampler, tud.BatchSampler)):
         return (
-            "unbroken.DataLoader(dataset, batch_size, shuffle=True, seed=...) in place of the "
+            "unbroken.MapLoader(dataset, batch_size, shuffle=True, seed=...) in place of the "
             "sampler and its DataLoader, or unbroken.data.SamplerLoader(dataset, sampler=...) "
             "with a sampler that has state_dict()/load_state_dict()"
         )
     return (
-        "unbroken.DataLoader(dataset, batch_size, shuffle=True, seed=...) for a map-style "
+        "unbroken.MapLoader(dataset, batch_size, shuffle=True, seed=...) for a map-style "
         "dataset (unbroken.IterableLoader for an iterable one)"
     )
 

@@ -5,9 +5,10 @@ resumed on another number of ranks agrees with the original only up to rounding.
 batch is cut into K shards fixed by the data stream (shard k is the k-th K-th of the global
 batch, whatever the world size); each rank runs forward and backward on each of its K/W shards
 separately (same shapes, same inputs, same kernels: the same bits as on any other rank), keeps
-one flat gradient per shard, and at the step's end every rank all-gathers the K per-shard
-gradients and adds them in shard order 0, 1, ..., K-1. Random draws inside a shard (dropout)
-come from a generator seeded from (seed, call, shard), not from the rank's stream.
+one flat gradient per shard, and the K shard gradients are added in shard order 0, 1, ..., K-1
+(:class:`_Chain`: a partial sum passed from rank to rank, bucket by bucket, during the last
+shard's backward). Random draws inside a shard (dropout) come from a generator seeded from
+(seed, call, shard), not from the rank's stream.
 
 What stays the user's: the loss, ``optimizer.step()``, GradScaler, clipping, EMA, schedules.
 ``p.grad`` holds, after the last shard of a synchronised call, exactly what DDP would hold up to
@@ -18,6 +19,7 @@ rounding: the mean over shards (DDP: over ranks) of the shard-mean gradients, ad
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -27,12 +29,13 @@ import torch
 import torch.distributed as dist
 
 from .. import _dist
-from .._errors import ConfigError
 from ..data._seeding import derive
+from ..errors import ConfigError
 from ..state._adapters import _is_dtensor, unwrap
 
 STATE_VERSION = 1
-_BUCKET = 1 << 22  # elements per all-gather: bounds the receive buffer at K * 4M elements
+# Elements per message of the chain sum: bucket b is on the wire while bucket b+1 is added.
+_BUCKET = 1 << 19
 
 
 @dataclass
@@ -45,15 +48,18 @@ class _Layout:
     device: torch.device
 
 
-class CanonicalShards:
+class CanonicalGradients:
     """Make every world size dividing ``shards`` compute the very same update.
 
     ``model``: the (DDP-wrapped or plain) module, or a function returning the current one
     (``lambda: run.model`` after model changes). ``scaler``: a GradScaler whose scale
-    :meth:`backward` applies. ``seed``: the per-shard random streams' seed. Track it in the run
+    :meth:`backward` applies. ``seed``: the per-shard random streams' seed. ``overlap``: add
+    up and send gradient buckets during the last shard's backward, as DDP overlaps its
+    all-reduce (that shard then takes a single :meth:`backward` call); ``False``: after the
+    shard. The bits are the same either way. Track it in the run
     (``Run(..., canonical=canon)``) so its call count, which seeds those streams, resumes too::
 
-        canon = unbroken.CanonicalShards(net, shards=6, scaler=scaler)
+        canon = unbroken.train.CanonicalGradients(net, shards=6, scaler=scaler)
         run = unbroken.Run("runs/x", model=net, optimizer=opt, loader=loader, canonical=canon)
         for x, y in run.loop(loader):
             for xs, ys in canon.shards(x, y, sync=not run.accumulating):
@@ -70,19 +76,21 @@ class CanonicalShards:
         scaler: Any = None,
         seed: int = 0,
         group: Any = None,
+        overlap: bool = True,
     ) -> None:
         if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
-            raise ConfigError(f"CanonicalShards: shards must be a positive int, got {shards!r}")
+            raise ConfigError(f"CanonicalGradients: shards must be a positive int, got {shards!r}")
         self.num_shards = shards
         self.scaler = scaler
         self.seed = int(seed)
         self.group = group
+        self.overlap = bool(overlap)
         self._get = model if not isinstance(model, torch.nn.Module) else (lambda: model)
         self.world = _dist.world_size() if group is None else dist.get_world_size(group)
         self.rank = _dist.rank() if group is None else dist.get_rank(group)
         if shards % self.world:
             raise ConfigError(
-                f"CanonicalShards: {shards} shards cannot be split over {self.world} ranks; "
+                f"CanonicalGradients: {shards} shards cannot be split over {self.world} ranks; "
                 f"run on a world size that divides {shards} (or choose shards as a multiple of "
                 "every world size you will use, e.g. 12 for 1, 2, 3, 4, 6)"
             )
@@ -101,6 +109,14 @@ class CanonicalShards:
         self._backed = False
         self._counted: list[bool] = []
         self._checked = False
+        self._several = False  # a shard has seen several backward() calls
+        self._chain: _Chain | None = None  # the sum under way in a synchronised call
+        self._hooks: list[Any] = []
+        self._index: dict[int, int] = {}  # id(param) -> its index in the layout
+        self._plan: list[tuple[torch.dtype, int, int]] = []  # buckets, in the order summed
+        self._param_buckets: list[list[int]] = []  # per parameter: the buckets it reaches
+        self._where: list[tuple[torch.dtype, int]] = []  # per parameter: its flat buffer, offset
+        self._bucket_entries: list[list[tuple[int, int, int]]] = []  # per bucket: its params
         if isinstance(model, torch.nn.Module):  # a function may name a run not built yet
             self._check_startup(model)
 
@@ -113,20 +129,20 @@ class CanonicalShards:
             "FSDP"
         ):
             raise ConfigError(
-                "CanonicalShards does not support FSDP2 (sharded parameters are reduce-scattered "
-                "in an order fixed by the world size); use DDP or a plain module"
+                "CanonicalGradients does not support FSDP2 (sharded parameters are "
+                "reduce-scattered in an order fixed by the world size); use DDP or a plain module"
             )
         norms = [n for n, m in inner.named_modules() if _running_stats(m)]
         if norms:
             warnings.warn(
-                f"CanonicalShards: {norms[0]!r} keeps running statistics; they are updated by "
+                f"CanonicalGradients: {norms[0]!r} keeps running statistics; they are updated by "
                 "the shards each rank computes, so they (not the gradients) depend on the world "
                 "size. Use track_running_stats=False, or LayerNorm/GroupNorm",
                 stacklevel=3,
             )
         if torch.cuda.is_available() and not torch.are_deterministic_algorithms_enabled():
             warnings.warn(
-                "CanonicalShards: torch.use_deterministic_algorithms(True) is off; CUDA kernels "
+                "CanonicalGradients: torch.use_deterministic_algorithms(True) is off; CUDA kernels "
                 "(atomics in index_add, scatter, some convolutions) may change the bits from run "
                 "to run, and then from world size to world size",
                 stacklevel=3,
@@ -134,7 +150,7 @@ class CanonicalShards:
         threads = _dist.all_gather_object(torch.get_num_threads(), self.group)
         if len(set(threads)) > 1:
             warnings.warn(
-                f"CanonicalShards: ranks use different intra-op thread counts {threads}; CPU "
+                f"CanonicalGradients: ranks use different intra-op thread counts {threads}; CPU "
                 "reductions split by thread, so shards computed on different ranks may differ "
                 "in the last bit. Call torch.set_num_threads(N) with the same N everywhere",
                 stacklevel=3,
@@ -170,14 +186,24 @@ class CanonicalShards:
             for j, piece in enumerate(pieces):
                 self._shard, self._backed = j, False
                 seed = derive(self.seed, call, first + j, domain=b"canonical-shard")
+                if sync and j == per - 1:
+                    # The last shard's backward completes each parameter's gradient: its hook
+                    # counts it, and a bucket whose parameters are all complete is summed and
+                    # sent on while backward goes on (DDP's overlap, in the canonical order).
+                    live = self.overlap and not self._several
+                    self._chain = _Chain(self, layout, live=live)
                 try:
                     with _forked_rng(seed):
                         yield piece
+                except BaseException:
+                    self._chain = None
+                    raise
                 finally:
                     self._shard = None
                 if not self._backed:
+                    self._chain = None
                     raise ConfigError(
-                        f"CanonicalShards: shard {first + j} ended without canon.backward(loss)"
+                        f"CanonicalGradients: shard {first + j} ended without canon.backward(loss)"
                     )
                 self._harvest(layout, j)
         self._pending = True
@@ -191,10 +217,19 @@ class CanonicalShards:
         """``loss.backward()`` for the current shard (scaled by the scaler if one was given)."""
         j = self._shard
         if j is None:
-            raise ConfigError("CanonicalShards.backward() must be called inside canon.shards()")
+            raise ConfigError("CanonicalGradients.backward() must be called inside canon.shards()")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ConfigError("CanonicalShards.backward() needs the shard's scalar loss tensor")
+            raise ConfigError("CanonicalGradients.backward() needs the shard's scalar loss tensor")
         assert self._losses is not None
+        chain = self._chain
+        if chain is not None and chain.live and self._backed:
+            raise ConfigError(
+                "CanonicalGradients: a second backward() in the last shard of a synchronised call; "
+                "its gradients are already on their way to the other ranks. Add the losses and "
+                "call backward() once, or construct CanonicalGradients(..., overlap=False)"
+            )
+        if self._backed:  # several backward() calls a shard: from now on, sum after the shard
+            self._several = True
         value = loss.detach().float().reshape(()).cpu()
         self._losses[j] = value if not self._counted[j] else self._losses[j] + value
         self._counted[j] = self._backed = True
@@ -211,14 +246,14 @@ class CanonicalShards:
                 return old
         if self._pending:
             raise ConfigError(
-                "CanonicalShards: the model's parameters changed while gradients were pending "
+                "CanonicalGradients: the model's parameters changed while gradients were pending "
                 "(sync=False); change the model only at a step boundary"
             )
         groups: dict[torch.dtype, list[tuple[int, int, int]]] = {}
         sizes: dict[torch.dtype, int] = {}
         devices = {p.device for p in params}
         if len(devices) > 1:
-            raise ConfigError(f"CanonicalShards: parameters on several devices {devices}")
+            raise ConfigError(f"CanonicalGradients: parameters on several devices {devices}")
         for i, p in enumerate(params):
             off = sizes.get(p.dtype, 0)
             groups.setdefault(p.dtype, []).append((i, off, p.numel()))
@@ -227,34 +262,92 @@ class CanonicalShards:
         device = params[0].device if params else torch.device("cpu")
         self._layout = _Layout(params, groups, sizes, device)
         self._bufs = {dt: torch.zeros(per, n, dtype=dt, device=device) for dt, n in sizes.items()}
+        self._plan_buckets(self._layout)
         self._has = [[False] * len(params) for _ in range(per)]
         self._losses = torch.zeros(per)
         self._counted = [False] * per
         return self._layout
 
+    def _plan_buckets(self, layout: _Layout) -> None:
+        """Cut the flat buffers into buckets, last parameters first (backward's order), and
+        hook every parameter so that the last shard's backward can send buckets early."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._index = {id(p): i for i, p in enumerate(layout.params)}
+        self._plan = [
+            (dt, lo, min(n, lo + _BUCKET))
+            for dt, n in reversed(layout.sizes.items())
+            for lo in reversed(range(0, n, _BUCKET))
+        ]
+        where = {(dt, lo): b for b, (dt, lo, _) in enumerate(self._plan)}
+        self._param_buckets = [[] for _ in layout.params]
+        self._where = [(p.dtype, 0) for p in layout.params]
+        self._bucket_entries = [[] for _ in self._plan]
+        for dt, entries in layout.groups.items():
+            for i, off, n in entries:
+                self._where[i] = (dt, off)
+                if not n:
+                    continue
+                for lo in range(off - off % _BUCKET, off + n, _BUCKET):
+                    b = where[(dt, lo)]
+                    self._param_buckets[i].append(b)
+                    self._bucket_entries[b].append((i, off, n))
+        me = weakref.ref(self)
+
+        def hook(p: torch.Tensor) -> None:
+            canon = me()
+            if canon is not None and canon._chain is not None and canon._chain.live:
+                canon._chain.ready(p)
+
+        for p in layout.params:
+            self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+
     def _harvest(self, layout: _Layout, j: int) -> None:
         """Move the shard's gradients out of ``p.grad`` into its flat buffer."""
-        has = self._has[j]
+        chain = self._chain if self._chain is not None and self._chain.live else None
         for dt, entries in layout.groups.items():
             buf = self._bufs[dt][j]
             for i, off, n in entries:
-                g = layout.params[i].grad
-                if g is None:
-                    continue
-                dst = buf[off : off + n]
-                if has[i]:
-                    dst.add_(g.reshape(-1))
-                else:
-                    dst.copy_(g.reshape(-1))
-                    has[i] = True
-                layout.params[i].grad = None
+                p = layout.params[i]
+                if chain is not None and chain.taken[i] and p.grad is not None:
+                    self._chain = None
+                    raise ConfigError(
+                        "CanonicalGradients: a parameter's gradient grew again after it was sent "
+                        "to the other ranks (a second accumulation in the last shard of a "
+                        "synchronised call, e.g. a weight shared across reentrant checkpoints); "
+                        "construct CanonicalGradients(..., overlap=False)"
+                    )
+                self._take(p, i, buf[off : off + n], j)
+
+    def _take(self, p: torch.Tensor, i: int, dst: torch.Tensor, j: int) -> None:
+        g = p.grad
+        if g is None:
+            return
+        has = self._has[j]
+        if has[i]:
+            dst.add_(g.reshape(-1))
+        else:
+            dst.copy_(g.reshape(-1))
+            has[i] = True
+        p.grad = None
 
     def _reduce(self, layout: _Layout) -> None:
-        """All-gather the K shards' gradients and add them in shard order (every rank alike)."""
+        """Sum the K shards' gradients in shard order (every rank alike) into ``p.grad``."""
         assert self._losses is not None
+        chain = self._chain
+        if chain is None:
+            chain = _Chain(self, layout, live=False)
+        self._chain = None
+        chain.advance(block=True)
         flags = torch.tensor(self._has, dtype=torch.float64).reshape(len(self._has), -1)
         side = torch.cat([self._losses.double()[:, None], flags], 1).to(layout.device)
-        side_all = self._gather(side).cpu()  # (K, 1 + params): small, exact in float64
+        # Small, exact in float64; issued after every bucket, in the same order on every rank.
+        side_all, side_work = self._gather_async(side)
+        sums = chain.finish()
+        if side_work is not None:
+            side_work.wait()
+        side_all = side_all.cpu()  # (K, 1 + params)
         losses = side_all[:, 0].float()
         total = losses[0].clone()
         for k in range(1, self.num_shards):
@@ -262,41 +355,21 @@ class CanonicalShards:
         self.loss = total / self.num_shards
         has = side_all[:, 1:].amax(0) > 0
         for dt, entries in layout.groups.items():
-            flat = self._sum_shards(self._bufs[dt])
+            flat = sums[dt]
             for i, off, n in entries:
                 if has[i]:
                     p = layout.params[i]
                     p.grad = flat[off : off + n].view_as(p)
-        self._bufs = {dt: b.zero_() for dt, b in self._bufs.items()}
         self._has = [[False] * len(row) for row in self._has]
         self._losses.zero_()
         self._counted = [False] * len(self._counted)
         self._pending = False
 
-    def _sum_shards(self, local: torch.Tensor) -> torch.Tensor:
-        """The mean over all K shards, summed 0, 1, ..., K-1, one bucket of columns at a time.
-
-        Every rank gathers every shard's values and does the same adds in the same order, so
-        the bits depend neither on W nor on the rank. (Each rank summing a W-th of the columns
-        after an all-to-all would move less, but with gloo's all-to-all, torch 2.13, processes
-        aborted (SIGABRT) at exit in 2 of 18 short runs: an exit must keep its code.)
-        """
-        per, n = local.shape
-        out = torch.empty(n, dtype=local.dtype, device=local.device)
-        for lo in range(0, n, _BUCKET):
-            hi = min(n, lo + _BUCKET)
-            if self.world == 1:
-                every = local[:, lo:hi]
-            else:
-                every = self._buffer("recv", (self.num_shards, hi - lo), local)
-                part = local if hi - lo == n else local[:, lo:hi].contiguous()
-                _all_gather(every, part, self.group)
-            acc = out[lo:hi]
-            acc.copy_(every[0])
-            for k in range(1, self.num_shards):
-                acc.add_(every[k])  # elementwise: the same bits for any thread count
-            acc.div_(self.num_shards)
-        return out
+    def _global(self, r: int) -> int:
+        """The global rank of this group's rank ``r`` (point-to-point calls take global ranks)."""
+        if self.group is None or not 0 <= r < self.world:
+            return r
+        return int(dist.get_global_rank(self.group, r))
 
     def _buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         key = (name, like.dtype, like.device, shape)
@@ -305,21 +378,21 @@ class CanonicalShards:
             buf = self._recv[key] = torch.empty(shape, dtype=like.dtype, device=like.device)
         return buf
 
-    def _gather(self, local: torch.Tensor) -> torch.Tensor:
+    def _gather_async(self, local: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Every rank's rows, in rank order: the K shards in canonical order (small tensors)."""
         if self.world == 1:
-            return local
+            return local, None
         shape = (self.world * local.shape[0], *local.shape[1:])
         out = torch.empty(shape, dtype=local.dtype, device=local.device)
-        _all_gather(out, local, self.group)
-        return out
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return out, gather(out, local, group=self.group, async_op=True)
 
     # ---- Stateful -------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         if self._pending:
             raise ConfigError(
-                "CanonicalShards: saving while gradients are pending (sync=False); save at a "
+                "CanonicalGradients: saving while gradients are pending (sync=False); save at a "
                 "step boundary"
             )
         return {
@@ -332,28 +405,145 @@ class CanonicalShards:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:
-            raise ConfigError(f"CanonicalShards state has version {state.get('version')!r}")
+            raise ConfigError(f"CanonicalGradients state has version {state.get('version')!r}")
         self.calls = int(state["calls"])
         for key, now in (("shards", self.num_shards), ("seed", self.seed)):
             if state[key] != now:
                 warnings.warn(
-                    f"CanonicalShards: {key} was {state[key]} and is {now} now; the run goes on, "
-                    "but no longer computes what a run that kept it would",
+                    f"CanonicalGradients: {key} was {state[key]} and is {now} now; the run goes "
+                    "on, but no longer computes what a run that kept it would",
                     stacklevel=2,
                 )
         if state["threads"] != torch.get_num_threads():
             warnings.warn(
-                f"CanonicalShards: the run was saved with {state['threads']} intra-op threads and "
-                f"now has {torch.get_num_threads()}; CPU reductions split by thread, so the bits "
-                "may differ from an uninterrupted run. Call torch.set_num_threads("
+                f"CanonicalGradients: the run was saved with {state['threads']} intra-op threads "
+                f"and now has {torch.get_num_threads()}; CPU reductions split by thread, so the "
+                "bits may differ from an uninterrupted run. Call torch.set_num_threads("
                 f"{state['threads']})",
                 stacklevel=2,
             )
 
 
-def _all_gather(out: torch.Tensor, local: torch.Tensor, group: Any) -> None:
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, local, group=group)
+class _Chain:
+    """The mean over all K shards, per dtype: ``(((g0 + g1) + g2) + ...) / K``, bucket by bucket.
+
+    The adds are elementwise and in shard order, so the bits depend neither on W, nor on the
+    rank, nor on the thread count. Rank r holds shards r*K/W .. (r+1)*K/W - 1, a contiguous run
+    of that order, so the sum is a chain: rank 0 adds its shards and sends the partial sum to
+    rank 1, which adds its own onto it, in order, and sends it on; the last rank divides by K and
+    broadcasts the result. Each link carries P elements however large K is (an all-gather of
+    every shard carried (W-1)/W x K x P to each rank), and no rank adds more than its own rows.
+
+    Buckets go in a fixed order, last parameters first. ``live``: the last shard's backward is
+    under way and each parameter's hook (:meth:`ready`) adds its gradient in; a bucket whose
+    parameters are all in (and, past rank 0, whose partial sum has arrived) is summed and sent
+    on at once, while backward computes the rest. What is left is done in :meth:`finish`.
+    """
+
+    def __init__(self, canon: CanonicalGradients, layout: _Layout, *, live: bool) -> None:
+        self.canon, self.layout, self.live = canon, layout, live
+        self.per = canon.num_shards // canon.world
+        self.left = [len(e) for e in canon._bucket_entries]  # parameters not yet complete
+        self.seen = [False] * len(layout.params)  # complete in the last shard's backward
+        self.taken = [False] * len(layout.params)  # moved into its row: in a bucket under way
+        self.next = 0  # the next bucket to sum
+        self.works: list[Any] = []
+        self.out = {
+            dt: torch.empty(n, dtype=dt, device=layout.device) for dt, n in layout.sizes.items()
+        }
+        rank, world = canon.rank, canon.world
+        self.first, self.last = rank == 0, rank == world - 1
+        self.prev, self.nxt, self.root = (canon._global(r) for r in (rank - 1, rank + 1, world - 1))
+        self.partial: dict[torch.dtype, torch.Tensor] = {}
+        if not self.last and not (self.first and self.per == 1):  # rank 0 sends its one row
+            self.partial = {
+                dt: canon._buffer("partial", (n,), self.out[dt]) for dt, n in layout.sizes.items()
+            }
+        self.recvs: list[Any] = []
+        if not self.first:  # posted at once: a sender never waits for this rank to get here
+            for b, (dt, lo, hi) in enumerate(canon._plan):
+                into = (self.out if self.last else self.partial)[dt][lo:hi]
+                self.recvs.append(dist.irecv(into, src=self.prev, group=canon.group, tag=b))
+
+    def ready(self, p: torch.Tensor) -> None:
+        """``p``'s gradient in the last shard is complete: send the buckets that are done.
+
+        The gradient stays in ``p.grad`` until its bucket goes: were it accumulated again in
+        this backward, autograd adds it there first, as it always did.
+        """
+        i = self.canon._index.get(id(p))
+        if i is None or self.seen[i]:
+            return
+        self.seen[i] = True
+        for b in self.canon._param_buckets[i]:
+            self.left[b] -= 1
+        self.advance(block=False)
+
+    def advance(self, block: bool) -> None:
+        """Sum and send buckets in order while they are ready (``block``: all, waiting)."""
+        canon = self.canon
+        plan = canon._plan
+        while self.next < len(plan):
+            b = self.next
+            if not block and (
+                self.left[b] > 0 or (not self.first and not self.recvs[b].is_completed())
+            ):
+                return
+            self._bucket(b, *plan[b])
+            self.next += 1
+
+    def _bucket(self, b: int, dt: torch.dtype, lo: int, hi: int) -> None:
+        canon = self.canon
+        rows = canon._bufs[dt]
+        if self.live:  # the last shard's gradients, still in p.grad, go into its row
+            j = self.per - 1
+            for i, _, _ in canon._bucket_entries[b]:
+                if not self.taken[i]:
+                    self.taken[i] = True
+                    p = self.layout.params[i]
+                    pdt, off = canon._where[i]
+                    canon._take(p, i, canon._bufs[pdt][j][off : off + p.numel()], j)
+        # A segment no shard of this call wrote holds an earlier step's values: there the
+        # shard's gradient is zero, and the adds must see +0.0 (as they always did).
+        for j, has in enumerate(canon._has):
+            for i, off, n in canon._bucket_entries[b]:
+                if not has[i]:
+                    rows[j, max(lo, off) : min(hi, off + n)].zero_()
+        if self.first and self.per == 1 and not self.last:
+            acc = rows[0, lo:hi]
+        elif self.first:
+            acc = (self.out if self.last else self.partial)[dt][lo:hi]
+            _fold(acc, rows, lo, hi)
+        else:
+            self.recvs[b].wait()
+            acc = (self.out if self.last else self.partial)[dt][lo:hi]
+            for j in range(self.per):
+                acc.add_(rows[j, lo:hi])
+        group = canon.group
+        if self.last:
+            acc.div_(canon.num_shards)
+            if not self.first:
+                self.works.append(dist.broadcast(acc, src=self.root, group=group, async_op=True))
+        else:
+            self.works.append(dist.isend(acc, dst=self.nxt, group=group, tag=b))
+            into = self.out[dt][lo:hi]
+            self.works.append(dist.broadcast(into, src=self.root, group=group, async_op=True))
+
+    def finish(self) -> dict[torch.dtype, torch.Tensor]:
+        self.advance(block=True)
+        for work in self.works:
+            work.wait()
+        return self.out
+
+
+def _fold(acc: torch.Tensor, rows: torch.Tensor, lo: int, hi: int) -> None:
+    """``acc = rows[0] + rows[1] + ...`` over columns ``lo:hi``, added left to right."""
+    if rows.shape[0] == 1:
+        acc.copy_(rows[0, lo:hi])
+        return
+    torch.add(rows[0, lo:hi], rows[1, lo:hi], out=acc)
+    for j in range(2, rows.shape[0]):
+        acc.add_(rows[j, lo:hi])
 
 
 def _running_stats(m: torch.nn.Module) -> bool:
@@ -381,13 +571,13 @@ def _split(batch: Any, per: int, k: int, world: int) -> list[Any]:
     _dim0(batch, sizes)
     if len(sizes) != 1:
         raise ConfigError(
-            "CanonicalShards: the batch needs tensors whose first dimensions agree (got "
+            "CanonicalGradients: the batch needs tensors whose first dimensions agree (got "
             f"{sorted(sizes) or 'none'})"
         )
     n = sizes.pop()
     if n % per:
         raise ConfigError(
-            f"CanonicalShards: this rank's batch of {n} samples cannot be cut into {per} equal "
+            f"CanonicalGradients: this rank's batch of {n} samples cannot be cut into {per} equal "
             f"shards; the global batch ({n * world}) must be a multiple of shards={k} (an "
             "epoch's last, smaller batch too: use drop_last=True or a dataset length that is a "
             "multiple of the batch size)"

@@ -40,7 +40,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
-from .._errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from ..store._entry import LOCAL, REMOTE, SNAPSHOT, Entry
 
 ORDER = {LOCAL: 0, SNAPSHOT: 1, REMOTE: 2}

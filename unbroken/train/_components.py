@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .._errors import ConfigError
 from ..data._contract import check_world, is_loader
+from ..errors import ConfigError
 from ..process import _log
 from ..process._protocol import ProcessContext
 from ..state import Counters, GlobalRNG, Registry

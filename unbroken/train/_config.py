@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .._errors import ConfigError, ConfigTypeError
+from ..errors import ConfigError, ConfigTypeError
 
 GROUPS = {
     "save": "when and how checkpoints are written, and how many are kept",
@@ -133,7 +133,7 @@ class RunConfig:
     on every rank (not on a fresh start)."""
     # ---- loop ----
     settings: Any = _option(None, "loop")
-    """An ``unbroken.Settings``: values that are constants or functions of (step, epoch)."""
+    """An ``unbroken.train.Settings``: values that are constants or functions of (step, epoch)."""
     before_step: Callable[..., Any] | None = _option(None, "loop")
     """``before_step(ctx)`` at each step start in ``run.loop()``; may return a Change."""
     on_epoch_start: Callable[..., Any] | None = _option(None, "loop")

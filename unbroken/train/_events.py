@@ -50,9 +50,12 @@ class Events:
 
     # ---- the metrics log -----------------------------------------------------------------------
 
-    def open_metrics(self, offset: int | None, resumed_from: int | None) -> None:
-        """Open ``metrics.jsonl`` cut to ``offset`` (what the resumed checkpoint recorded)."""
-        self.metrics = MetricsLog(self.dir, offset, resumed_from)
+    def open_metrics(
+        self, offset: int | None, resumed_from: int | None, *, every_step: bool = False
+    ) -> None:
+        """Open ``metrics.jsonl`` cut to ``offset`` (what the resumed checkpoint recorded);
+        ``every_step``: write each step's record as it ends, not in batches."""
+        self.metrics = MetricsLog(self.dir, offset, resumed_from, every_step=every_step)
 
     def record(self, kind: str, **fields: Any) -> None:
         """An event of the current step in the metrics log (if this rank keeps one)."""

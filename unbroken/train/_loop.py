@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .._errors import ConfigError
+from ..errors import ConfigError
 from ..state import EMA, Counters, Registry
 from ..state._adapters import unwrap
 from . import _staging, _stopping
@@ -258,7 +258,7 @@ class Stepper:
             if change.stage is None:
                 raise ConfigError(
                     f"{where} returned a new model without a stage; return "
-                    "unbroken.Change(model=..., stage=...) so that a resumed run can rebuild "
+                    "unbroken.train.Change(model=..., stage=...) so that a resumed run can rebuild "
                     "this model with model_factory(stage)"
                 )
             if self.config.model_factory is None:

@@ -6,19 +6,30 @@ log always holds each step exactly once, in order, across any number of interrup
 is fsynced before each checkpoint commits, so it is never shorter than a checkpoint records;
 one that is anyway (cut by hand, or by a power loss under an older version) is repaired to
 whole lines and the gap is logged (``{"event": "log_gap"}``), never merged into.
+
+Step records are held in memory, not written with one ``write`` a step (a syscall costs more
+than the rest of ``run.step()`` on a busy machine): they reach the file before anything records
+the log's length (a checkpoint, a snapshot), with every event, when the log closes, at
+interpreter exit, and at least every :data:`FLUSH_SECONDS`, so that ``tail -f`` and watchers
+follow the run. What a ``kill -9`` loses from memory is only steps after the last checkpoint or
+snapshot: the resume cuts the log there and redoes those steps, logging them again. A loss
+still on the device is read when its line is written, a whole flush's at once: no device sync
+a step.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import time
+import weakref
 from typing import Any
 
 import torch
 
-from .._errors import CheckpointWriteError
+from ..errors import CheckpointWriteError
 from ..process import _log
 from ..process._logfile import METRICS_FILE, open_regular, read_metrics
 from ..store import _fsops
@@ -27,12 +38,34 @@ __all__ = ["METRICS_FILE", "MetricsLog", "read_metrics"]
 
 log = _log.get("run")
 
+FLUSH_SECONDS = 1.0
+"""The longest a step's record waits in memory (``tail -f`` sees each step within it). In a
+process's first seconds the wait is shorter (:data:`EARLY` times the log's age): the first
+steps of a run, which a user or a watching script looks for, show at once, for a few dozen
+writes."""
+EARLY = 1 / 8
+
 
 class MetricsLog:
-    def __init__(self, run_dir: str, resume_offset: int | None, step: int | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str,
+        resume_offset: int | None,
+        step: int | None = None,
+        *,
+        every_step: bool = False,
+    ) -> None:
         self.path = os.path.join(run_dir, METRICS_FILE)
         fd = open_regular(self.path, os.O_RDWR | os.O_CREAT, "metrics log")
         self._f = open(fd, "r+b", buffering=0)
+        self._pending: list[dict[str, Any]] = []
+        self._opened = time.monotonic()
+        self._due = self._opened
+        # Under `unbroken verify`, which fires its step targets when the log shows the step:
+        # each step is written as it ends (hitting the step matters more than microseconds).
+        self._every_step = every_step
+        self._pid = os.getpid()  # a forked child (a loader worker) must not write our lines
+        _OPEN.add(self)
         size = self._f.seek(0, os.SEEK_END)
         offset = resume_offset or 0
         self.lost = max(offset - size, 0)
@@ -113,15 +146,29 @@ class MetricsLog:
         self.event("log_gap", step=step, missing_bytes=offset - size)
 
     def event(self, kind: str, **fields: Any) -> None:
-        self._write({"event": kind, "time": round(time.time(), 3), **fields})
+        # Events are rare and say what happened to the run: written at once, after the steps.
+        self._pending.append({"event": kind, "time": round(time.time(), 3), **fields})
+        self.flush()
 
     def step(self, record: dict[str, Any]) -> None:
-        self._write(record)
+        """One step's record, written at the next flush (its values are read then: a tensor
+        in it must not change in place afterwards)."""
+        self._pending.append(record)
+        if self._every_step or time.monotonic() >= self._due:
+            self.flush()
 
-    def _write(self, record: dict[str, Any]) -> None:
-        line = json.dumps({k: _plain(v) for k, v in record.items()}, allow_nan=True)
-        # Unbuffered: one write per line, so `tail -f` and watchers see each step at once.
-        data = memoryview(line.encode() + b"\n")
+    def flush(self) -> None:
+        """Write every record held in memory (one ``write``)."""
+        now = time.monotonic()
+        self._due = now + min(FLUSH_SECONDS, (now - self._opened) * EARLY)
+        if not self._pending or os.getpid() != self._pid or self._f.closed:
+            return
+        records, self._pending = self._pending, []
+        _read_tensors(records)
+        text = "".join(
+            json.dumps({k: plain(v) for k, v in r.items()}, allow_nan=True) + "\n" for r in records
+        )
+        data = memoryview(text.encode())
         try:
             while data:
                 data = data[self._f.write(data) or 0 :]
@@ -132,6 +179,7 @@ class MetricsLog:
         """The byte length, after an fsync: every checkpoint records it, and the log must
         hold that much on disk before the checkpoint commits (a power loss then leaves no
         log shorter than its checkpoint says)."""
+        self.flush()
         try:
             _fsops.event("fsync_log", self.path)
             os.fsync(self._f.fileno())
@@ -141,12 +189,46 @@ class MetricsLog:
 
     def length(self) -> int:
         """The byte length now, without an fsync (an in-memory snapshot records it; the
-        supervisor fsyncs the log when it persists the snapshot)."""
+        supervisor fsyncs the log when it persists the snapshot, so it must be in the file)."""
+        self.flush()
         return self._f.tell()
 
     def close(self) -> None:
         if not self._f.closed:
-            self._f.close()
+            try:
+                self.flush()
+            finally:
+                self._f.close()
+                _OPEN.discard(self)
+
+
+_OPEN: weakref.WeakSet[MetricsLog] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """A script that ends (or fails) without closing its run still leaves every step it
+    logged in the file. Registered after unbroken.process._quick_exit's handler, so it runs
+    first."""
+    for m in list(_OPEN):
+        try:
+            m.flush()
+        except Exception as e:  # the exit goes on; the warning says what is missing
+            log.warning("unbroken: writing the metrics log at exit failed: %s", e)
+
+
+def _read_tensors(records: list[dict[str, Any]]) -> None:
+    """Put values for the one-element tensors held on a device: one transfer per device and
+    dtype for a whole flush (an ``.item()`` each would wait for the device each time)."""
+    groups: dict[tuple[Any, Any], list[tuple[dict[str, Any], str]]] = {}
+    for r in records:
+        for k, v in r.items():
+            if isinstance(v, torch.Tensor) and v.device.type != "cpu" and v.numel() == 1:
+                groups.setdefault((v.device, v.dtype), []).append((r, k))
+    for where in groups.values():
+        values = torch.stack([r[k].detach().reshape(()) for r, k in where]).tolist()
+        for (r, k), value in zip(where, values, strict=True):
+            r[k] = value
 
 
 def _log_error(e: OSError, path: str) -> CheckpointWriteError:
@@ -157,7 +239,7 @@ def _log_error(e: OSError, path: str) -> CheckpointWriteError:
     )
 
 
-def _plain(v: Any) -> Any:
+def plain(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         v = v.detach()
         return v.item() if v.numel() == 1 else v.tolist()

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._errors import ResumeWarning
+from ..errors import ResumeWarning
 from ..process import _log
 
 log = _log.get("run")

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import _dist
-from .._errors import (
+from ..data._seeding import derive, seed_globals
+from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigError,
@@ -28,7 +29,6 @@ from .._errors import (
     StateError,
     UnsafeCheckpointError,
 )
-from ..data._seeding import derive, seed_globals
 from ..process import _log
 from ..state import Counters, Registry, _nested
 from ..store import CheckpointReader, CheckpointStore, _layout

@@ -34,14 +34,14 @@ from typing import Any
 import torch
 
 from .. import _dist
-from .._errors import ConfigError
 from ..data._contract import is_loader
+from ..errors import ConfigError
 from ..process import _quick_exit, _signals, _stops
 from ..process._exit import EXIT_RESUMABLE
 from ..process._protocol import ProcessContext
 from ..process._signals import StopRequest, install_signal_handlers, process_start
 from ..state import Counters
-from . import _as_standby, _triggers
+from . import _as_standby, _metrics, _triggers
 from ._audit import Audit
 from ._checkpointer import Checkpointer
 from ._components import remote_retention, retention, track
@@ -59,7 +59,7 @@ class Run:
     """Track the components of a training run; resume them exactly; save them safely.
 
     Components are keyword arguments: modules, optimizers, LR schedulers, GradScalers,
-    :class:`unbroken.EMA`, :class:`unbroken.DataLoader`, random generators and any object with
+    :class:`unbroken.EMA`, :class:`unbroken.MapLoader`, random generators and any object with
     ``state_dict``/``load_state_dict``; ``components={...}`` takes any names, options' too.
     Options: a :class:`RunConfig` as ``config=``, or its fields as keywords (not both)::
 
@@ -91,6 +91,7 @@ class Run:
         self._found_loaders: tuple[int, list[Any]] = (-1, [])
         warn_determinism()  # on CUDA: the settings that make a bitwise resume impossible
         process = ProcessContext.read()
+        self._watched = process.run_dir is not None  # `unbroken verify` watches the log
         self._events = Events(self.dir, self.counters, on_save=cfg.on_save, on_resume=cfg.on_resume)
         self._checkpointer = Checkpointer(
             self.dir,
@@ -156,7 +157,9 @@ class Run:
             if self.rank == 0 and cfg.metrics:
                 # A metrics log that cannot be opened (a planted symlink, a FIFO, a full
                 # disk) fails the start like a checkpoint would: the lock is released.
-                self._events.open_metrics(self.counters.metrics_offset, self.resumed_from)
+                self._events.open_metrics(
+                    self.counters.metrics_offset, self.resumed_from, every_step=self._watched
+                )
             if self.resumed_from is not None:
                 self._events.resumed(self.resumed_from, self._path(self.resumed_from))
             if resumer.extended_to is not None:
@@ -212,7 +215,8 @@ class Run:
         record: dict[str, Any] = {"step": c.step, "epoch": c.epoch}
         if loss is not None:
             record["loss"] = loss
-        record.update(scalars)
+        if scalars:
+            record.update(_held(scalars))
         self._events.log_step(record)
         if self._progress is not None:
             self._progress.update(
@@ -262,16 +266,28 @@ class Run:
         rank stop and save at the same step (no rank left waiting in a collective). The logged
         loss is the mean over ranks.
         """
-        shown = self._events.metrics is not None or self._progress is not None
-        if isinstance(loss, torch.Tensor) and (shown or self.world_size > 1):
-            # .item() waits for the device: only if logged, shown or averaged (a scalar: no mean).
-            loss = (t if (t := loss.detach().float()).numel() == 1 else t.mean()).item()
+        if isinstance(loss, torch.Tensor):
+            loss = self._loss_value(loss)
         if self.world_size == 1:
             return seen, loss
         flags = [float(seen.signalled), float(seen.out_of_time), float(seen.minutes_due)]
         total = _dist.sum_floats([*flags, float(loss) if loss is not None else 0.0])
         mean = total[3] / self.world_size if loss is not None else None
         return _triggers.Seen(total[0] > 0, total[1] > 0, total[2] > 0), mean
+
+    def _loss_value(self, loss: torch.Tensor) -> Any:
+        """The loss to log: a float (the mean of its elements, in float32), or, for a loss on
+        a device that is only logged, a new one-element tensor that the metrics log reads when
+        it writes the line (``.item()`` now would wait for the device every step). Read now
+        when shown, averaged over ranks, or on the CPU (nothing to wait for)."""
+        t = loss.detach().float()
+        if self._progress is not None or self.world_size > 1 or t.device.type == "cpu":
+            return (t if t.numel() == 1 else t.mean()).item()
+        if self._events.metrics is None:
+            return loss  # neither logged nor shown: never read
+        # mean() of one element is that element, bit for bit; it is a copy, so the caller
+        # changing its loss in place later does not change what is logged.
+        return t.mean()
 
     def _loader_marks(self) -> tuple[int, int]:
         """(batches, samples) yielded so far by the first tracked loader (the training one)."""
@@ -509,3 +525,18 @@ class Run:
             f"Run({self.dir!r}, step={self.counters.step}, epoch={self.counters.epoch}, "
             f"components={self.registry.names()})"
         )
+
+
+def _held(scalars: dict[str, Any]) -> dict[str, Any]:
+    """The user's values as they are now: the metrics log reads them at its next flush, so a
+    tensor or array that changes in place must be read (on the CPU) or copied (on a device)
+    here; immutable values pass as they are."""
+    out = {}
+    for k, v in scalars.items():
+        if isinstance(v, torch.Tensor):
+            v = v.detach()
+            v = v.clone() if v.device.type != "cpu" and v.numel() == 1 else _metrics.plain(v)
+        elif not isinstance(v, (int, float, str, bool, type(None))):
+            v = _metrics.plain(v)
+        out[k] = v
+    return out

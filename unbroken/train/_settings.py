@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from .._errors import ConfigError
+from ..errors import ConfigError
 
 Schedule = Callable[[int, int], Any]
 KNOWN = ("lr", "batch_size", "grad_accum", "clip", "weight_decay")
@@ -27,10 +27,10 @@ class Settings:
     ``wd_scale`` if it has one), ``batch_size`` into the tracked loader, ``grad_accum`` sets the
     micro-batches per step in ``run.loop()``; ``clip`` and any other key are for you to read::
 
-        settings = unbroken.Settings(
-            lr=unbroken.WarmupCosine(peak=3e-3, warmup=100, total=1000),
-            batch_size=unbroken.StepTable({0: 16, 200: 32}),
-            grad_accum=unbroken.EpochTable({0: 1, 2: 2}),
+        settings = unbroken.train.Settings(
+            lr=unbroken.train.WarmupCosine(peak=3e-3, warmup=100, total=1000),
+            batch_size=unbroken.train.StepTable({0: 16, 200: 32}),
+            grad_accum=unbroken.train.EpochTable({0: 1, 2: 2}),
             clip=1.0,
         )
     """
@@ -86,6 +86,8 @@ class Values(Mapping[str, Any]):
 
 
 class Constant:
+    """A setting's value that does not change with the step or epoch."""
+
     def __init__(self, value: Any) -> None:
         self.value = value
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .._errors import ConfigError, StateError
+from ..errors import ConfigError, StateError
 from ..state import EMA, Counters, Registry
 from ..state._adapters import unwrap
 from ._audit import retire
@@ -213,7 +213,7 @@ def as_change(value: Any, where: str, known: set[str]) -> Change | None:
     if not isinstance(value, Change):
         raise ConfigError(
             f"{where} returned {type(value).__qualname__}; return None, a model, a dict of "
-            "settings, or unbroken.Change(model=..., config=..., stage=...)"
+            "settings, or unbroken.train.Change(model=..., config=..., stage=...)"
         )
     unknown = sorted(set(value.config) - known)
     if unknown:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-from .._errors import ConfigError
+from ..errors import ConfigError
 from ..process import _log, _signals
 from ..process._signals import StopRequest
 from ..state import Counters

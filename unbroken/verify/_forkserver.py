@@ -1,7 +1,7 @@
-"""Relaunches without the start-up: a Python interpreter that imported torch (numpy, and torch's
-distributed checkpointing) once, then forks a fresh child per launch, which runs the user's
-script as ``python SCRIPT ARGS`` would (``runpy``, ``__main__``, ``sys.argv``, the launch's
-environment, its own session).
+"""Relaunches without the start-up: a Python interpreter that imported torch (numpy, torch's
+distributed checkpointing, and torch._dynamo, which a torch optimizer imports) once, then forks
+a fresh child per launch, which runs the user's script as ``python SCRIPT ARGS`` would
+(``runpy``, ``__main__``, ``sys.argv``, the launch's environment, its own session).
 
 Why a fork is an honest relaunch for ``unbroken verify``: the server never runs the script, so
 a child starts with no training state at all -- whatever it trains on comes from the run
@@ -9,11 +9,12 @@ directory's checkpoint, exactly as for a new process. What a child shares with i
 and not with a new interpreter is reset or left out: Python's and NumPy's global random
 streams, and torch's default generator, are reseeded from the OS, as a new interpreter seeds
 them; ``hash()``
-of a string keeps the server's seed, which differs from the reference run's (a real process),
-so a script that depends on it still shows up. unbroken itself is not imported by the server
-(its import is cheap, and it keeps per-process state from its import: the process that owns
-the stop signals, say), so each child imports it afresh. The first launch of the interrupted run and
-the one killed during a save stay real processes (_runner).
+of a string keeps the server's seed, which differs from the reference run's (a new process:
+_runner), so a script that depends on it still shows up. unbroken itself is not imported by the
+server (its import is cheap, and it keeps per-process state from its import: the process that
+owns the stop signals, say), so each child imports it afresh. verify's comparison runs in a child
+too (``python -m unbroken.verify._compare_job``, with verify's unbroken first on ``sys.path``:
+the request's ``path``), so that verify itself never imports torch.
 
 Only ``python SCRIPT.py ...`` and ``python -m MODULE ...`` (optionally ``-u``) can be forked
 (:func:`forkable`); anything else (torchrun, a shell wrapper, other interpreter options) is
@@ -23,9 +24,9 @@ thread. Native pools (OpenBLAS's, started by importing numpy) reset themselves i
 (their pthread_atfork handlers), as they do for every forked DataLoader worker.
 
 Protocol: JSON lines. To the server (stdin): ``{"argv", "env", "cwd", "log", "target",
-"module"}``; from it (stdout): ``{"pid": N}`` once forked, ``{"exit": N, "code": C}`` when a
-child ended (``C`` as ``Popen.returncode``: negative for a signal), ``{"error": TEXT}``. It
-exits at EOF on stdin (verify ended), killing children it still has.
+"module", "unbuffered", "path"}``; from it (stdout): ``{"pid": N}`` once forked, ``{"exit": N,
+"code": C}`` when a child ended (``C`` as ``Popen.returncode``: negative for a signal),
+``{"error": TEXT}``. It exits at EOF on stdin (verify ended), killing children it still has.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 _PYTHON = re.compile(r"python(\d+(\.\d+)*)?$")
+# Frameworks whose import costs seconds more than torch's (Lightning's ~5-10 s on 2 cores,
+# transformers' and accelerate's ~2-3 s): a script that imports one at its top gets it
+# imported by the server too, so that a fork skips it. Only these: importing a module runs its
+# code, and these do nothing at import that a child would need to see again (a script's own
+# modules, which might, are never imported by the server).
+FRAMEWORKS = ("accelerate", "datasets", "lightning", "pytorch_lightning", "transformers")
 
 
 def forkable(argv: Sequence[str]) -> tuple[str, bool, list[str]] | None:
@@ -56,6 +63,37 @@ def forkable(argv: Sequence[str]) -> tuple[str, bool, list[str]] | None:
     if rest and not rest[0].startswith("-") and rest[0].endswith(".py"):
         return rest[0], False, rest[1:]
     return None
+
+
+_PARSING = threading.Lock()
+
+
+def preloads(script: str) -> list[str]:
+    """What the server imports for ``python SCRIPT``: the :data:`FRAMEWORKS` modules the script
+    imports at its top level (``import X``, ``from X import a, b``; as ``"X"`` and ``"X:a,b"``,
+    the names fetched too, as a lazy package like transformers loads them only then).
+    Empty for a file that cannot be read or parsed: the script itself will say why."""
+    import ast
+
+    try:
+        with open(script, "rb") as f:
+            source = f.read()
+        # One parse at a time: CPython 3.11's AST constructor keeps its recursion depth per
+        # interpreter, and two threads parsing at once (verify_resume called from a thread
+        # pool) fail with "SystemError: AST constructor recursion depth mismatch".
+        with _PARSING:
+            tree = ast.parse(source)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    out: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names if a.name.split(".")[0] in FRAMEWORKS]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] in FRAMEWORKS:
+                names = [a.name for a in node.names if a.name != "*"]
+                out.append(f"{node.module}:{','.join(names)}" if names else node.module)
+    return out
 
 
 class ForkedProcess:
@@ -82,10 +120,13 @@ class ForkServer:
     """The client side: start the server with the command's own interpreter, then
     :meth:`spawn` a child per launch. Thread-safe."""
 
-    def __init__(self, python: str, env: Mapping[str, str], log_path: str) -> None:
+    def __init__(
+        self, python: str, env: Mapping[str, str], log_path: str, preload: Sequence[str] = ()
+    ) -> None:
         self._log = open(log_path, "ab")
         self._proc = subprocess.Popen(
-            [python, os.path.abspath(__file__)],  # by path: the server imports no unbroken
+            # by path: the server imports no unbroken
+            [python, os.path.abspath(__file__), *preload],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -128,8 +169,15 @@ class ForkServer:
             return self._ready
 
     def spawn(
-        self, argv: list[str], env: Mapping[str, str], cwd: str, log_path: str
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        cwd: str,
+        log_path: str,
+        path: Sequence[str] = (),
     ) -> ForkedProcess:
+        """Fork a child that runs ``argv`` (a :func:`forkable` command); ``path`` goes before
+        the child's ``sys.path`` (verify's own comparison job: verify's unbroken)."""
         parsed = forkable(argv)
         if parsed is None:
             raise ValueError(f"not a command the fork server runs: {argv!r}")
@@ -142,6 +190,7 @@ class ForkServer:
             "cwd": cwd,
             "log": log_path,
             "unbuffered": "-u" in argv[1:2],
+            "path": list(path),
         }
         with self._send_lock:
             assert self._proc.stdin is not None
@@ -222,6 +271,7 @@ def _child(req: dict[str, Any], out: IO[bytes]) -> None:
         sys.argv = list(req["argv"])
         if req["module"]:
             sys.path.insert(0, os.getcwd())  # as `python -m` does (the server popped its own)
+            sys.path[:0] = req.get("path", [])
             runpy.run_module(req["target"], run_name="__main__", alter_sys=True)
         else:
             sys.argv[0] = req["target"]
@@ -252,21 +302,34 @@ def _child(req: dict[str, Any], out: IO[bytes]) -> None:
             os._exit(code & 0xFF)
 
 
-def serve() -> None:
+def serve(preload: Sequence[str] = ()) -> None:
+    import importlib
     import select
 
     # Started by path: sys.path[0] is this package's directory, whose modules must not
     # shadow anything the imports below (or a child) look for.
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
         sys.path.pop(0)
-    # What takes the time of a start-up: torch, and the part of it unbroken's Run loads
-    # (distributed checkpointing: a third of the rest). The script's other imports are its own.
+    # What takes the time of a start-up: torch, the part of it unbroken's Run loads
+    # (distributed checkpointing: a third of the rest), and torch._dynamo, which every torch
+    # optimizer's constructor imports (a second; 3/4 of a forked relaunch's start without it).
+    # The script's other imports are its own.
     import torch  # noqa: F401
 
-    for name in ("numpy", "torch.distributed.checkpoint"):
+    for name in ("numpy", "torch.distributed.checkpoint", "torch._dynamo"):
         try:
             __import__(name)
         except ImportError:
+            pass
+    for item in preload:  # preloads(): "module" or "module:name,name"
+        name, _, attrs = item.partition(":")
+        if name.split(".")[0] not in FRAMEWORKS:
+            continue
+        try:
+            module = importlib.import_module(name)
+            for attr in filter(None, attrs.split(",")):
+                getattr(module, attr, None)
+        except Exception:  # the script's own import will raise it, in the child
             pass
 
     out = os.fdopen(os.dup(1), "wb", buffering=0)
@@ -320,7 +383,11 @@ def serve() -> None:
             os.killpg(pid, signal.SIGKILL)
         except OSError:
             pass
+    # Verify waits for this exit: skip the teardown of an interpreter that imported torch
+    # (about a second, more on a busy machine), which has nothing left to write.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
-    serve()
+    serve(sys.argv[1:])

@@ -30,8 +30,8 @@ def plan_interrupts(k: int, seed: int, total: int, save_steps: Sequence[int]) ->
 
     Moments come after the first checkpoint when there is room (an earlier kill only restarts
     from scratch); step targets alternate SIGKILL, SIGTERM, ... The SIGKILL inside a save comes
-    first where the steps after it leave room for the others: the first launch, a new process,
-    takes it, and verify forks the relaunches (_runner). A moment is a target, not a promise: a
+    first where the steps after it leave room for the others: the first launch takes it, and the
+    relaunches resume from its half-written save. A moment is a target, not a promise: a
     fast run may be a step or two further when the signal lands, or done.
     """
     if k <= 0 or total < 2:

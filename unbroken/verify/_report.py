@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ._compare import Comparison, Difference, FirstDifferences
+from ._findings import Comparison, Difference, FirstDifferences
 from ._volatile import NotCompared, listing
 
 
@@ -191,7 +191,7 @@ LOADER = (
     "No resumable data loader is tracked. A plain torch.utils.data.DataLoader (or a sampler "
     "shuffling with its own random.Random or torch.Generator) is not resumable: a relaunch "
     "starts the epoch over and reshuffles, so the resumed run trains on other batches. Use "
-    "unbroken.DataLoader(dataset, ..., seed=...) and pass it to Run (loader=loader)."
+    "unbroken.MapLoader(dataset, ..., seed=...) and pass it to Run (loader=loader)."
 )
 LOADER_STATE = (
     "The tracked loader's position ({name}) differs: the batch size or the batches drawn per "
@@ -218,7 +218,7 @@ GENERATOR = (
     "An untracked random generator: a torch.Generator, random.Random, numpy Generator or "
     "numpy RandomState used for noise, augmentation or dropout masks restarts from its seed "
     "after a relaunch unless it is passed to Run as a component (Run(..., noise=gen)); "
-    "per-sample randomness can come from unbroken.DataLoader's per-sample generator "
+    "per-sample randomness can come from unbroken.MapLoader's per-sample generator "
     "(dataset.get_sample(i, generator))."
 )
 COMPONENT = (
@@ -283,8 +283,20 @@ SAMPLES = (
     "The batch's samples differ at step {step}, the first step after the resume from step "
     "{resume}: the relaunched process reads other samples. The data position is not restored: "
     "a loader not passed to Run, a sampler or dataset that shuffles with a generator of its own, "
-    "or a batch size that depends on something not restored. Use unbroken.DataLoader(dataset, "
+    "or a batch size that depends on something not restored. Use unbroken.MapLoader(dataset, "
     "..., seed=...) and pass it to Run (loader=loader)."
+)
+BATCH_MADE = (
+    "The batch differs at step {step}, the first step after the resume from step {resume} "
+    "(its logged {keys}), while the tracked loader's position ({loader}) agrees at every "
+    "checkpoint: most likely the same samples made into another batch. A collate_fn or "
+    "transform that draws from a generator of its own (transformers' "
+    "DataCollatorForLanguageModeling(seed=...), a torch.Generator, random.Random or numpy "
+    "Generator kept in a collator) is not saved and restarts from its seed after a relaunch. "
+    "Drop that generator and draw from the global streams (unbroken.MapLoader and "
+    "TransformersTrainer seed them per batch for the collate_fn), per sample "
+    "(dataset.get_sample(i, generator)), or pass the generator to Run. If the samples "
+    "themselves differ, a sampler or dataset shuffles with a generator of its own."
 )
 RNG_AHEAD = (
     "A random draw made ahead of the save: at step {step}, the first step after the resume from "
@@ -293,8 +305,8 @@ RNG_AHEAD = (
     "step before run.step() saved them, and the relaunched process draws it again from the "
     "restored streams: a collate that masks or augments at random run outside the loader on a "
     "batch fetched ahead (frameworks fetch the next step's batch before they save; a collate_fn "
-    "given to unbroken.DataLoader is seeded per batch), or noise prepared for the next step. "
-    "Draw a step's randomness in that step, per sample in the dataset (unbroken.DataLoader seeds "
+    "given to unbroken.MapLoader is seeded per batch), or noise prepared for the next step. "
+    "Draw a step's randomness in that step, per sample in the dataset (unbroken.MapLoader seeds "
     "each sample), or from a torch.Generator passed to Run."
 )
 REDUCTION = (
@@ -308,8 +320,8 @@ REDUCTION = (
     "communication hook of your own (Run warned: ResumeWarning) or one it does not see; with "
     "NCCL, a resume on other nodes may pick another algorithm (NCCL_ALGO=Ring, "
     "NCCL_PROTO=Simple). See docs/distributed.md ('What is bitwise where'): "
-    "unbroken.CanonicalShards sums in one order on every world size; if rounding differences "
-    "are acceptable, compare with --atol/--rtol."
+    "unbroken.train.CanonicalGradients sums in one order on every world size; if rounding "
+    "differences are acceptable, compare with --atol/--rtol."
 )
 
 
@@ -379,6 +391,13 @@ def _is_samples(key: str) -> bool:
     return bool(parts & {"sample", "samples", "indices", "index", "ids", "idx"}) or key == "batch"
 
 
+def _is_content(key: str) -> bool:
+    """A logged key that sums up the batch's content (``batch``, ``batch_checksum``), not
+    only which samples it holds."""
+    parts = set(key.lower().replace("-", "_").split("_"))
+    return key == "batch" or bool(parts & {"checksum", "digest", "hash"})
+
+
 def _shown(d: Difference) -> str:
     if d.kind == "tensor" and d.max_abs_diff is not None:
         return f"{d.where} (max |Δ| {d.max_abs_diff:.3g})"
@@ -435,9 +454,10 @@ def hints_for(cmp: Comparison, resumed_from: list[int]) -> list[str]:
     the Run's start-up audit recorded (draws after Run(), module state outside the
     state_dict); a callback's saved overrides; parameters no tracked module owns; no tracked
     loader; the learning rate; the loader's position; the optimizer's step count; what differs
-    at the first step after the resume where the runs part (the batch's samples; a random draw
-    made ahead of the save; only the update, its loss agreeing: the reduction); the random
-    streams; then the usual suspects of a model that diverges.
+    at the first step after the resume where the runs part (the batch's samples, or what a
+    collate made of them while the loader's position agrees; a random draw made ahead of the
+    save; only the update, its loss agreeing: the reduction); the random streams; then the
+    usual suspects of a model that diverges.
     """
     if cmp.passed:
         return []
@@ -491,7 +511,16 @@ def hints_for(cmp: Comparison, resumed_from: list[int]) -> list[str]:
     ahead = False
     if onset is not None and onset.first_after and onset.resume is not None:
         where = {"step": onset.step, "resume": onset.resume}
-        if any(_is_samples(k) for k in onset.differ):
+        samples = [k for k in onset.differ if _is_samples(k)]
+        moved = {d.component.split("@")[0] for d in state} & set(loaders)
+        made = bool(loaders) and not moved and not rng_first and all(map(_is_content, samples))
+        if samples and made:
+            # Only a checksum of the batch differs (not its sample ids), the loader's position
+            # and the global streams agree: what was made of the samples, by a generator of
+            # the collate's own (a draw from the global streams made ahead is RNG_AHEAD).
+            logged = ", ".join(f"metrics.{k}" for k in samples)
+            hints.append(BATCH_MADE.format(**where, keys=logged, loader=", ".join(loaders)))
+        elif samples:
             hints.append(SAMPLES.format(**where))
         ahead = rng_first and "loss" in onset.differ
         if ahead:  # RNG, made precise

@@ -17,6 +17,7 @@ the job survived the kill and trained on. Moments are watched from outside: a st
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -29,13 +30,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from .._errors import ConfigError
+from ..errors import ConfigError
 from ..process import _protocol, _stops, _tree
 from ..process._exit import EXIT_OK, EXIT_RESUMABLE
 from ..process._logfile import METRICS_FILE, last_logged_step
 from ..store import _layout
-from ._compare import compare_runs
-from ._forkserver import ForkServer, forkable
+from ._findings import Comparison, comparison_from_json
+from ._forkserver import ForkServer, forkable, preloads
 from ._plan import Target, next_target, plan_interrupts
 from ._report import Interruption, VerifyReport, hints_for, parted
 from ._unverifiable import ScriptFailedError, VerifyError
@@ -92,10 +93,10 @@ def verify_resume(
     What it costs: the interrupted run trains beside the reference (``side_by_side``; by
     default where the machine has two cores or more), planned from the ``max_steps`` and
     ``save_every`` its Run told (``step_progress`` then follows the interrupted run alone); the
-    reference and the relaunches after a SIGKILL or SIGTERM are forked from an interpreter that
-    imported torch once (``fork``; ``python SCRIPT`` and ``python -m MODULE`` commands), while
-    the interrupted run's first launch and the one killed during a save are new processes.
-    The report says which launch was which.
+    reference is a new process, and every launch of the interrupted run (the one killed during
+    a save too) is forked from an interpreter that imported torch once (``fork``; ``python
+    SCRIPT`` and ``python -m MODULE`` commands), which also runs the comparison, so that
+    verify's own process never imports torch. The report says which launch was which.
     """
     argv = _check_command(cmd)
     _check_options(interrupts, atol, rtol, timeout)
@@ -103,7 +104,11 @@ def verify_resume(
     say = progress or (lambda _msg: None)
     deadline = None if timeout is None else time.monotonic() + timeout
     if side_by_side is None:
-        side_by_side = _cores() >= 2
+        # Not for a launcher (torchrun, a shell wrapper): two jobs at once would meet at its
+        # rendezvous port (EADDRINUSE), or at whatever else it holds for one job at a time.
+        single = forkable(argv)
+        launcher = single is None or (single[1] and single[0].startswith("torch.distributed"))
+        side_by_side = _cores() >= 2 and not launcher
     base = dict(os.environ)
     if side_by_side and interrupts > 0 and "OMP_NUM_THREADS" not in base:
         # Two runs of torch's default (a thread per core) on the same cores oversubscribe
@@ -120,10 +125,11 @@ def verify_resume(
             f"environment variable {ENV_RUN_DIR}"
         )
     if fork and interrupts > 0 and forkable(argv) is not None:
-        # Started now: it imports torch while the reference run starts.
+        # Started now: it imports torch while the reference run, a new process, starts.
         env = _protocol.verify_env(base, run_dir=work)
-        s.forks = ForkServer(argv[0], env, os.path.join(work, "forkserver.log"))
-        ref.forks = s.forks
+        target, module, _ = forkable(argv) or ("", True, [])
+        preload = [] if module else preloads(target)  # the script's frameworks, imported once
+        s.forks = ForkServer(argv[0], env, os.path.join(work, "forkserver.log"), preload)
     elif fork and interrupts > 0:
         notes.append(
             "every launch a new process: only `python SCRIPT.py ...` and `python -m MODULE "
@@ -174,15 +180,15 @@ def verify_resume(
                     f"({planned_from[0]} steps, saves at {planned_from[1]}); the reference ran "
                     f"{total} steps, saved at {save_steps}"
                 )
+        t_ref = ref_thread.seconds if ref_thread is not None else t1 - t0
+        say(f"comparing the runs in {work}")
+        cmp = s.compare(ref_dir, other_dir, atol=atol, rtol=rtol, ignore=ignore, notes=notes)
     finally:
         if ref_thread is not None:
             ref.aborted.set()
             ref_thread.join()
         if s.forks is not None:
             s.forks.close()
-    t_ref = ref_thread.seconds if ref_thread is not None else t1 - t0
-    say(f"comparing the runs in {work}")
-    cmp = compare_runs(ref_dir, other_dir, atol=atol, rtol=rtol, ignore=ignore)
     report = VerifyReport(
         passed=cmp.passed,
         command=list(argv),
@@ -374,10 +380,11 @@ class _Session:
     def reference(self, run_dir: str) -> tuple[int, list[int]]:
         self.say(f"reference run (uninterrupted) in {run_dir}")
         t0 = time.perf_counter()
-        # Forked where it can be: the first launch of the interrupted run, a new process, is
-        # what shows a script that does not repeat itself from a new process on.
-        self.launched = FORK if self._can_fork([]) else PROCESS
-        proc, log = self._start(run_dir, "reference", 1, fork=self.launched == FORK)
+        # A new process, started at once (the fork server imports torch meanwhile): compared
+        # with the interrupted run, whose launches are forked, it shows a script that does not
+        # repeat itself from a new process on.
+        self.launched = PROCESS
+        proc, log = self._start(run_dir, "reference", 1)
         self._live = ("reference", run_dir, None)
         try:
             code = self._finish(proc, log)
@@ -421,10 +428,9 @@ class _Session:
                 )
             if out.launches > 1:
                 out.resumed_from.append(_latest_committed(run_dir))
-            # The first launch (from scratch: does the script repeat itself?) and the one to
-            # be killed during a save (the save path of the real command) are new processes.
-            real = out.launches == 1 or (target is not None and target.kind == "save")
-            how = PROCESS if real or not self._can_fork(out.notes) else FORK
+            # Every launch is forked where the command can be: the reference, a new process,
+            # is what a start-up from a new interpreter is compared against.
+            how = FORK if self._can_fork(out.notes) else PROCESS
             out.launched.append(how)
             proc, log = self._start(run_dir, "interrupted", out.launches, fork=how == FORK)
             self._live = (f"interrupted, launch {out.launches}", run_dir, total)
@@ -469,6 +475,61 @@ class _Session:
                 f"{len(pending)} planned interruption(s) not made: the run completed first"
             )
         return out
+
+    # ---- the comparison -----------------------------------------------------------------------
+
+    def compare(
+        self,
+        ref_dir: str,
+        other_dir: str,
+        *,
+        atol: float,
+        rtol: float,
+        ignore: Sequence[str],
+        notes: list[str],
+    ) -> Comparison:
+        """compare_runs, in a child of the fork server where there is one (it imported torch:
+        verify's own process never does), else here."""
+        if self.forks is not None and self._can_fork(notes):
+            try:
+                found = self._compare_forked(ref_dir, other_dir, atol, rtol, list(ignore))
+            except OSError:
+                found = None
+            if found is not None:
+                return found
+            notes.append(
+                "the comparison could not run in a child of the fork server (compare.log in "
+                "the work directory): it ran in verify's own process"
+            )
+        from ._compare import compare_runs  # imports torch
+
+        return compare_runs(ref_dir, other_dir, atol=atol, rtol=rtol, ignore=ignore)
+
+    def _compare_forked(
+        self, ref_dir: str, other_dir: str, atol: float, rtol: float, ignore: list[str]
+    ) -> Comparison | None:
+        assert self.forks is not None
+        job, out = (os.path.join(self.work, f"compare.{x}") for x in ("job.json", "json"))
+        if os.path.exists(out):
+            os.remove(out)  # an earlier verify's, in a reused work directory
+        spec = {"ref": ref_dir, "other": other_dir, "atol": atol, "rtol": rtol}
+        with open(job, "w") as f:
+            json.dump({**spec, "ignore": ignore, "out": out}, f)
+        argv = [self.argv[0], "-m", f"{__package__}._compare_job", job]
+        # verify's own unbroken, whatever the command's interpreter finds first
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = _protocol.verify_env(self.base, run_dir=self.work)
+        log = os.path.join(self.work, "compare.log")
+        proc = self.forks.spawn(argv, env, os.getcwd(), log, path=[root])
+        proc.wait()
+        try:
+            with open(out) as f:
+                result = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if "error" in result:
+            raise VerifyError(result["error"])
+        return comparison_from_json(result["comparison"])
 
     # ---- processes ----------------------------------------------------------------------------
 

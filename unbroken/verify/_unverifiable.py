@@ -5,7 +5,7 @@ A difference between the runs is not an error: it is the report's answer.
 
 from __future__ import annotations
 
-from .._errors import UnbrokenError
+from ..errors import UnbrokenError
 
 
 class VerifyError(UnbrokenError):

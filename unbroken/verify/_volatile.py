@@ -50,7 +50,7 @@ VOLATILE_FIELDS = (
         "**.log_history.*.*_per_second",
         "the Trainer's throughput (samples, steps or tokens per wall-clock second)",
     ),
-    # LightningResume tracks every callback with a state_dict as callback.<class name>[.N].
+    # LightningCallback tracks every callback with a state_dict as callback.<class name>[.N].
     VolatileField(
         "lightning",
         "callback.Timer.**.time_elapsed",

@@ -170,7 +170,7 @@ def main() -> None:
     if bug.startswith("loader-"):
         loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
     else:
-        loader = unbroken.DataLoader(data, batch_size=4, shuffle=True, seed=0)
+        loader = unbroken.MapLoader(data, batch_size=4, shuffle=True, seed=0)
         comps["loader"] = loader
     calls = 0
 
@@ -184,7 +184,7 @@ def main() -> None:
         os.environ["UNBROKEN_RUN_DIR"],
         **comps,
         # run.epochs() takes no settings or before_step (they act at step starts, in run.loop())
-        settings=None if bug == "loader-epochs" else unbroken.Settings(clip=1.0),
+        settings=None if bug == "loader-epochs" else unbroken.train.Settings(clip=1.0),
         before_step=None if bug == "loader-epochs" else before_step,
         save_every=2,
         max_steps=a.steps,

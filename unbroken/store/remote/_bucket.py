@@ -30,7 +30,7 @@ from typing import Any
 
 import xxhash
 
-from ..._errors import (
+from ...errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,

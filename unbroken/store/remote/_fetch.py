@@ -29,7 +29,7 @@ from typing import Any
 
 import xxhash
 
-from ..._errors import CorruptCheckpointError
+from ...errors import CorruptCheckpointError
 from .. import _format, _safeio
 from ._object_reader import RemoteReader, _each, ranges
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import xxhash
 
-from ..._errors import ConfigError, CorruptCheckpointError
+from ...errors import ConfigError, CorruptCheckpointError
 from .. import _format, _manifest, _safeio, _table
 from .._format import Chunk
 from .._reader import CheckpointReader

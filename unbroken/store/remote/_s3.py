@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..._errors import ConfigError, RemoteStoreError
+from ...errors import ConfigError, RemoteStoreError
 from .. import _par
 
 SCHEME = "s3://"

@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 
-from ..._errors import RemoteStoreError
+from ...errors import RemoteStoreError
 from ...process import _log
 from ...process._logfile import METRICS_FILE
 from .. import _layout

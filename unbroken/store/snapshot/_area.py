@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..._errors import CheckpointError, CheckpointWriteError, LockError
+from ...errors import CheckpointError, CheckpointWriteError, LockError
 from ...process import _log, _shm
 from ...process._logfile import METRICS_FILE
 from ...process._shm import ENV as ENV

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import xxhash
 
-from ..._errors import UnsafeCheckpointError
+from ...errors import UnsafeCheckpointError
 from .. import _direct, _fsops, _layout, _par
 from .._format import ALIGN
 from .._host_buffers import Stage

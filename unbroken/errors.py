@@ -1,4 +1,5 @@
-"""Exceptions raised by unbroken.
+"""Exceptions raised by unbroken: ``from unbroken.errors import ...`` (the common ones are
+also at the top level: ``unbroken.ConfigError``).
 
 Every user-facing failure is a subclass of :class:`UnbrokenError` and says what happened,
 to which path or component, and what to do next::
@@ -29,6 +30,23 @@ from __future__ import annotations
 
 import errno
 from typing import Any
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointWriteError",
+    "CollectiveTimeoutError",
+    "ConfigError",
+    "ConfigTypeError",
+    "CorruptCheckpointError",
+    "DataError",
+    "LockError",
+    "RemoteStoreError",
+    "ResumeWarning",
+    "StateError",
+    "UnbrokenError",
+    "UnsafeCheckpointError",
+]
 
 
 class UnbrokenError(Exception):
