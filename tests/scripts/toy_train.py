@@ -88,6 +88,14 @@ def main() -> None:
     p.add_argument("--signal", choices=["TERM", "KILL", "INT", "USR1"], default="KILL")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (kill tests)")
     p.add_argument("--snapshot-every", type=int, default=None)
+    p.add_argument(
+        "--meddle",
+        choices=["clamp", "scale", "assign"],
+        default=None,
+        help="change the parameters through .data before each forward (clamp: WGAN's weight "
+        "clipping, p.data.clamp_; scale: p.data.mul_; assign: p.data = ...), then sleep "
+        "--step-sleep there (in a snapshot's copy window) instead of after run.step()",
+    )
     p.add_argument("--mark", default=None, help="append this process's pid to FILE before Run()")
     a = p.parse_args()
     if a.mark:  # a side effect before Run(), as a download or a print would be
@@ -145,7 +153,20 @@ def main() -> None:
         os.kill(os.getpid(), getattr(signal, "SIG" + a.signal))
     samples: list[int] = []
 
+    def meddle() -> None:
+        for prm in model.parameters():
+            if a.meddle == "clamp":
+                prm.data.clamp_(-0.3, 0.3)
+            elif a.meddle == "scale":
+                prm.data.mul_(0.999)
+            else:
+                prm.data = prm.data * 0.999
+
     def train_step(micro: list) -> None:
+        if a.meddle:
+            meddle()
+            if a.step_sleep:
+                time.sleep(a.step_sleep)
         total = 0.0
         for x, y in micro:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=scaler is not None):
@@ -171,7 +192,7 @@ def main() -> None:
             samples=list(samples),
         )
         samples.clear()
-        if a.step_sleep:
+        if a.step_sleep and not a.meddle:
             time.sleep(a.step_sleep)  # a slower step: an outside kill lands where it is aimed
         loader.batch_size = batch_size_for(run.counters.step)
         if a.signal_at is not None and run.counters.step == a.signal_at:

@@ -156,3 +156,82 @@ def test_close_commits_the_snapshot_in_flight(
     assert step == 6
     for k, want in states[step].items():
         assert torch.equal(got[k], want), k
+
+
+def _hold_copies(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Make the snapshot's thread wait, before it copies a snapshot, until the returned event
+    is set (then cleared for the next one): what the training does meanwhile is in the copy's
+    window, deterministically."""
+    from unbroken.train import _snapshots
+
+    go = threading.Event()
+    seen: set[str] = set()
+    write = _slots.Slots.write_chunks
+
+    def held(self: _slots.Slots, path: str, tensors: Any) -> Any:
+        if threading.current_thread().name == "unbroken-snapshot" and path not in seen:
+            seen.add(path)
+            assert go.wait(30), "the training never let the copy go"
+            go.clear()
+        return write(self, path, tensors)
+
+    monkeypatch.setattr(_slots.Slots, "write_chunks", held)
+    start = _snapshots.Snapshots._start
+
+    def started(self: _snapshots.Snapshots, *a: Any) -> Any:
+        go.clear()  # set by a change before this snapshot was taken: not in its window
+        return start(self, *a)
+
+    monkeypatch.setattr(_snapshots.Snapshots, "_start", started)
+    return go
+
+
+@pytest.mark.parametrize(
+    "how", ["data", "data-view", "alias-from-before", "state-assigned", "param-assigned"]
+)
+def test_a_change_through_data_during_the_copy_is_never_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """``p.data`` is a tensor with its own version counter: a change through it (a WGAN weight
+    clamp, ``p.data.mul_()``), or ``p.data = x``, while the thread copies ``p`` must not be
+    committed -- the copy may hold either side of the change, or both. The thread is held so
+    the change lands before it copies: a snapshot committed then would hold the changed
+    weight, not its step's (the check in _train compares every committed tensor)."""
+    from unbroken.train import _snapshots
+
+    made: list[_snapshots.Snapshots] = []
+    init = _snapshots.Snapshots.__init__
+
+    def spy(self: _snapshots.Snapshots, *a: Any, **k: Any) -> None:
+        init(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(_snapshots.Snapshots, "__init__", spy)
+    go = _hold_copies(monkeypatch)
+    aliases: list[torch.Tensor] = []
+
+    def meddle(model: torch.nn.Module) -> None:
+        w = model[0].weight
+        if how == "data":
+            w.data.mul_(0.5)
+        elif how == "data-view":
+            w[0].data.mul_(0.5)  # a view of the parameter, then .data
+        elif how == "alias-from-before":
+            if not aliases:
+                aliases.append(w.data)  # kept from before the first snapshot (see below)
+            aliases[0].mul_(0.5)
+        elif how == "state-assigned":  # the snapshot copies this very tensor object
+            st = made[0].optimizers[0].state.get(w, {}) if made[0].optimizers else {}
+            if "exp_avg" in st:
+                st["exp_avg"].data = st["exp_avg"].data * 0.5
+        else:  # the snapshot copies the old storage (a detached alias): not torn either way
+            w.data = w.data * 0.5
+        go.set()
+
+    _, checked, _ = _train(tmp_path, monkeypatch, 8, meddle=meddle, snapshot_every=1)
+    # The weight moved to the copy at the step's end after its first torn snapshot; from then
+    # on the snapshots are committed again (each compared with its step's state in _train).
+    if how != "param-assigned":
+        end = "exp_avg" if how == "state-assigned" else "0.weight"
+        assert [k for k in made[0]._sync if k.endswith(end)], made[0]._sync
+    assert checked and checked[-1] == 7, checked
