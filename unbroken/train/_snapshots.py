@@ -45,6 +45,7 @@ from ..state._ema import BEFORE_UPDATE, EMA
 from ..store import CheckpointReader
 from ..store.snapshot._area import SnapshotArea, SnapshotsOff, SnapshotTorn
 from ..store.snapshot._nodes import NodeLayout
+from . import _data_watch
 
 log = _log.get()
 BUDGET = 0.01
@@ -99,10 +100,25 @@ class _Job:
         self.ungated = False  # committed without passing the gate: a write path not through it
         self.watch_count = len(watch)
         self.changed: list[str] = []
+        self.replaced: list[str] = []  # keys whose tensor's .data was set under the copy
         self.outcome = ""  # "committed", "torn", "off"
         self.error: BaseException | None = None
         self.waited = 0.0  # seconds the training waited for it (before its optimizer step)
         self.cost = 0.0  # seconds it took the step that took it
+
+    def watch_alias(self, keys: list[str], alias: torch.Tensor) -> None:
+        """The training's side: ``alias`` (a ``.data`` of a copied tensor) was made during the
+        copy: a change through it is a change of the tensor (train/_data_watch.py)."""
+        with self.lock:
+            if keys and not self.judged.is_set():
+                version = alias._version
+                self.watch.extend((k, alias, version) for k in keys)
+
+    def mark_changed(self, keys: list[str]) -> None:
+        """The training's side: ``.data`` of a copied tensor is being replaced."""
+        with self.lock:
+            if keys and not self.judged.is_set():
+                self.replaced.extend(keys)
 
     def copied_all(self) -> None:
         """The thread's side: every tensor is in the slot."""
@@ -140,7 +156,8 @@ class _Job:
         self.waited += time.perf_counter() - t0
         t0 = time.thread_time()
         with self.lock:
-            self.changed = [k for k, t, v in self.watch if t._version != v]
+            changed = [k for k, t, v in self.watch if t._version != v] + self.replaced
+            self.changed = list(dict.fromkeys(changed))
             self.watch = []
             if self.ready and not self.changed and self.commit is not None:
                 try:
@@ -186,6 +203,7 @@ class Snapshots:
         self._costs: list[float] = []  # what each background snapshot cost the step (s)
         self._step_s = 0.0  # the step time (a cautious estimate), for the interval's choice
         self._background = True
+        self._watch: _data_watch.Watch | None = None  # .data of what the thread copies
         if root and every != 0:
             try:
                 self.area = SnapshotArea(root, clean=rank == 0)
@@ -256,7 +274,12 @@ class Snapshots:
         # A GPU's tensors stay in the step's path (staged through pinned buffers, as before):
         # the thread's copy would be ordered after its own stream, not after the stream the
         # training stepped on.
-        if self.taken and self._background and not _on_gpu(payload.tensors.values()):
+        if (
+            self.taken
+            and self._background
+            and not _on_gpu(payload.tensors.values())
+            and self._watching()
+        ):
             job = self._start(step, payload, meta)
             job.cost = time.thread_time() - c1
             return time.perf_counter() - t0
@@ -275,8 +298,26 @@ class Snapshots:
 
     # ---- in the background ------------------------------------------------------------------
 
+    def _watching(self) -> bool:
+        """Whether changes through ``Tensor.data`` can be seen (train/_data_watch.py): else
+        the snapshots are copied in the step's path."""
+        if self._watch is None:
+            why = _data_watch.install()
+            if why is not None:
+                log.warning(
+                    "unbroken: in-memory snapshots are taken in the step's path: changes "
+                    "through Tensor.data cannot be watched in this torch (%s)",
+                    why,
+                )
+                self._background = False
+                return False
+            self._watch = _data_watch.Watch()
+        return True
+
     def _start(self, step: int, payload: Any, meta: dict[str, Any]) -> _Job:
-        owned = self._owned()
+        live = self._live()
+        owned = {_ptr(t) for t in live}
+        owned.discard(0)
         tensors: dict[str, torch.Tensor] = {}
         watch = []
         for key, t in payload.tensors.items():
@@ -294,6 +335,10 @@ class Snapshots:
             kinds=payload.kinds,
         )
         job = _Job(step, snap, meta, watch)
+        assert self._watch is not None
+        # Before the training runs again: a .data taken from now on is seen.
+        self._watch.begin(job, live, watch)
+        job.watch_count = len(watch)
         assert self.area is not None
         if self.area.layout is None and not _dist.active():
             job.commit = functools.partial(self.area.store.rename_into_place, step)
@@ -312,17 +357,17 @@ class Snapshots:
         self._queue.put(job)
         return job
 
-    def _owned(self) -> set[int]:
-        """Storage addresses of the tracked optimizers' parameters and state."""
-        out: set[int] = set()
+    def _live(self) -> list[torch.Tensor]:
+        """The tracked optimizers' parameters and state and the EMAs' shadows, as the training
+        holds them."""
+        out: list[torch.Tensor] = []
         for opt in self.optimizers:
             for group in opt.param_groups:
-                out.update(_ptr(p) for p in group["params"])
+                out.extend(group["params"])
             for st in opt.state.values():
-                out.update(_ptr(v) for v in st.values() if isinstance(v, torch.Tensor))
+                out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
         for ema in self.emas:
-            out.update(_ptr(v) for v in ema.shadow.values())
-        out.discard(0)
+            out.extend(ema.shadow.values())
         return out
 
     def _before_step(self, *_: Any) -> None:
@@ -395,6 +440,8 @@ class Snapshots:
         t0 = time.perf_counter()
         job.done.wait()
         self._job = None
+        if self._watch is not None:
+            self._watch.end()
         if len(self._costs) < KEPT:
             self._costs.append(job.cost + job.waited + time.perf_counter() - t0)
         if job.outcome == "committed":
@@ -431,6 +478,8 @@ class Snapshots:
                 self._hook.remove()
                 self._hook = None
                 BEFORE_UPDATE.remove(self._before_update)
+            if self._watch is not None:
+                self._watch.close()
             if self._thread is not None and self._queue is not None:
                 self._queue.put(None)
                 self._thread.join()

@@ -1,0 +1,196 @@
+"""Changes made through ``Tensor.data`` while an in-memory snapshot's thread copies tensors.
+
+``p.data`` is a new tensor on ``p``'s storage with a version counter of its own: a change
+through it (WGAN's weight clipping, ``p.data.clamp_(-c, c)``) or ``p.data = x`` leaves ``p``'s
+counter as it was, so the check of the snapshot's background copy (train/_snapshots.py) would
+not see it, and a copy holding bytes from either side of the change, or both, would be
+committed. This module patches the attribute ``torch.Tensor.data``: a Python property whose
+getter and setter call torch's own descriptor (``torch._C.TensorBase.data``) and then, while a
+:class:`Watch` is open, look the tensor up by ``id`` among the tensors a snapshot's thread
+copies (the tracked optimizers' parameters and state, the EMAs' shadows, and views of or bases
+of them):
+
+- the getter registers the alias it returns; its version counter is noted and compared like
+  the tensor's own when the copy is judged (a change through the alias, or a view of it, is
+  then a change of the tensor); aliases made before the watch began are found once, when it
+  begins (:func:`gc.get_objects`: every tensor on the storage of a watched one);
+- the setter marks the tensor changed, whatever the new data (conservative: ``p.data = x``
+  on a parameter leaves the copied storage as it was, but not on an optimizer's state tensor,
+  which the snapshot copies as the very object).
+
+With no watch open the cost is one extra Python call and a global's truth test per ``.data``.
+Writes through ``.numpy()``, ``untyped_storage()``, DLPack or a raw pointer change no counter
+at all: not seen (docs/design.md).
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+_DESCRIPTOR: Any = torch._C.TensorBase.__dict__.get("data")
+_WATCHES: list[Watch] = []  # the open ones (one per Snapshots with a background copy)
+_installed = False
+_install_lock = threading.Lock()
+
+
+def patchable() -> str | None:
+    """Why ``torch.Tensor.data`` cannot be watched as this module does (a torch that changed),
+    or None."""
+    if type(_DESCRIPTOR).__name__ != "getset_descriptor":
+        return f"torch._C.TensorBase.data is a {type(_DESCRIPTOR).__name__}, not a descriptor"
+    for cls in torch.Tensor.__mro__:
+        if "data" in cls.__dict__:
+            if cls is torch._C.TensorBase or (cls is torch.Tensor and _installed):
+                return None
+            return f"torch.Tensor.data is defined by {cls.__qualname__}, not TensorBase"
+    return "torch.Tensor has no attribute data"
+
+
+def _get(self: torch.Tensor) -> torch.Tensor:
+    out = _DESCRIPTOR.__get__(self)
+    if _WATCHES:
+        i = id(self)
+        for w in _WATCHES:
+            if i in w.objs or i in w.aliases or self._base is not None:  # (a miss: no call)
+                w.got(self, out)
+    return out
+
+
+def _set(self: torch.Tensor, value: torch.Tensor) -> None:
+    if _WATCHES:
+        for w in _WATCHES:
+            w.replaced(self)
+    _DESCRIPTOR.__set__(self, value)
+
+
+def install() -> str | None:
+    """Patch ``torch.Tensor.data`` (once per process). Why it could not be, or None."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return None
+        why = patchable()
+        if why is not None:
+            return why
+        torch.Tensor.data = property(_get, _set, doc=_DESCRIPTOR.__doc__)  # type: ignore[assignment]
+        _installed = True
+        return None
+
+
+class Watch:
+    """The tensors a snapshot's thread copies, and the ``.data`` aliases of them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.objs: dict[int, tuple[torch.Tensor, tuple[str, ...]]] = {}  # id: (live, keys)
+        self.aliases: dict[int, tuple[weakref.ref, tuple[str, ...]]] = {}
+        self.job: Any = None  # the snapshot whose copy is in flight (a _Job), while open
+        self.copying: frozenset[str] = frozenset()  # the keys the thread copies (the window's)
+        self._scanned = False
+
+    # ---- the snapshot's side (the training thread) --------------------------------------------
+
+    def begin(self, job: Any, live: Iterable[torch.Tensor], copied: list) -> None:
+        """Open the window of ``job``, whose thread copies ``copied`` ((key, tensor, version)
+        entries, extended here with the aliases' versions); ``live`` are the tensors a
+        training holds (parameters, optimizer state, EMA shadows)."""
+        keys: dict[int, list[str]] = {}
+        for key, t, _ in copied:
+            keys.setdefault(_storage(t), []).append(key)
+        keys.pop(0, None)  # no storage, or an empty one: nothing to tear
+        copying = frozenset(k for k, _, _ in copied)
+        objs: dict[int, tuple[torch.Tensor, tuple[str, ...]]] = {}
+        for t in live:
+            ks = keys.get(_storage(t))
+            if ks:  # (and not 0: popped above)
+                objs[id(t)] = (t, tuple(ks))
+                base = t._base  # a parameter that is a view of a flat buffer: the buffer too
+                if base is not None:
+                    objs[id(base)] = (base, tuple(ks))
+        if not self._scanned:
+            self._scanned = True
+            self._scan(keys, objs)
+        with self.lock:
+            self.objs, self.copying = objs, copying
+            for i, (ref, names) in list(self.aliases.items()):
+                a = ref()
+                if a is None:
+                    del self.aliases[i]
+                else:  # (an alias of a key now copied in the step: not watched)
+                    copied.extend((k, a, a._version) for k in names if k in copying)
+            self.job = job
+        if self not in _WATCHES:
+            _WATCHES.append(self)
+
+    def end(self) -> None:
+        """Close the window (the copy is judged, or given up)."""
+        with self.lock:
+            self.job = None
+
+    def close(self) -> None:
+        self.end()
+        if self in _WATCHES:
+            _WATCHES.remove(self)
+        self.objs, self.aliases = {}, {}
+
+    def _scan(self, keys: dict[int, list[str]], objs: dict[int, Any]) -> None:
+        """Once: the aliases made before the watch began (``w = p.data`` kept from the set-up)."""
+        for o in gc.get_objects():
+            # (type(): isinstance reads __class__, which some lazy objects warn on)
+            if issubclass(type(o), torch.Tensor) and id(o) not in objs:
+                ks = keys.get(_storage(o))
+                if ks:
+                    self._alias(o, tuple(ks))
+
+    # ---- the patched attribute's side ---------------------------------------------------------
+
+    def _keys(self, t: torch.Tensor) -> tuple[str, ...] | None:
+        entry = self.objs.get(id(t))
+        if entry is not None and entry[0] is t:
+            return entry[1]
+        alias = self.aliases.get(id(t))
+        if alias is not None and alias[0]() is t:
+            return alias[1]
+        base = t._base
+        if base is not None:
+            return self._keys(base)
+        return None
+
+    def _alias(self, alias: torch.Tensor, keys: tuple[str, ...]) -> None:
+        # No callback (it would cost more than the rest): the dead are dropped at begin(), and
+        # an id reused meanwhile never matches (_keys compares the referent).
+        self.aliases[id(alias)] = (weakref.ref(alias), keys)
+
+    def got(self, t: torch.Tensor, alias: torch.Tensor) -> None:
+        """``t.data`` returned ``alias``."""
+        keys = self._keys(t)
+        if keys is None:
+            return
+        with self.lock:
+            self._alias(alias, keys)
+            job = self.job
+            if job is not None:
+                job.watch_alias([k for k in keys if k in self.copying], alias)
+
+    def replaced(self, t: torch.Tensor) -> None:
+        """``t.data = x``, about to be done."""
+        keys = self._keys(t)
+        if keys is None:
+            return
+        with self.lock:
+            job = self.job
+            if job is not None:
+                job.mark_changed([k for k in keys if k in self.copying])
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except Exception:  # no storage: sparse, a wrapper subclass, meta
+        return 0
