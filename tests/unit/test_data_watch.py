@@ -84,7 +84,7 @@ def test_the_watch_sees_data_of_what_is_copied_and_only_that() -> None:
     before = p.data  # made before the watch began: found by its scan
     w, job = _data_watch.Watch(), _Job()
     copied: list = [("w", p.detach(), p._version)]
-    w.begin(job, [p], copied)
+    w.begin(job, [(p, p.data_ptr())], copied, [p.data_ptr()])
     try:
         assert any(t is before for _, t, _ in copied)  # its version is compared at the judge
         other.data.mul_(2)

@@ -96,18 +96,26 @@ class Watch:
 
     # ---- the snapshot's side (the training thread) --------------------------------------------
 
-    def begin(self, job: Any, live: Iterable[torch.Tensor], copied: list) -> None:
+    def begin(
+        self,
+        job: Any,
+        live: Iterable[tuple[torch.Tensor, int]],
+        copied: list,
+        ptrs: list[int],
+    ) -> None:
         """Open the window of ``job``, whose thread copies ``copied`` ((key, tensor, version)
-        entries, extended here with the aliases' versions); ``live`` are the tensors a
-        training holds (parameters, optimizer state, EMA shadows)."""
+        entries, extended here with the aliases' versions; ``ptrs``: their ``data_ptr()``s);
+        ``live`` are the tensors a training holds (parameters, optimizer state, EMA shadows),
+        with theirs. A copied tensor is one of them or an alias at the same address (a state
+        dict's ``detach()``)."""
         keys: dict[int, list[str]] = {}
-        for key, t, _ in copied:
-            keys.setdefault(_storage(t), []).append(key)
+        for (key, _, _), ptr in zip(copied, ptrs, strict=True):
+            keys.setdefault(ptr, []).append(key)
         keys.pop(0, None)  # no storage, or an empty one: nothing to tear
         copying = frozenset(k for k, _, _ in copied)
         objs: dict[int, tuple[torch.Tensor, tuple[str, ...]]] = {}
-        for t in live:
-            ks = keys.get(_storage(t))
+        for t, ptr in live:
+            ks = keys.get(ptr)
             if ks:  # (and not 0: popped above)
                 objs[id(t)] = (t, tuple(ks))
                 base = t._base  # a parameter that is a view of a flat buffer: the buffer too
@@ -115,7 +123,7 @@ class Watch:
                     objs[id(base)] = (base, tuple(ks))
         if not self._scanned:
             self._scanned = True
-            self._scan(keys, objs)
+            self._scan(copied, objs)
         with self.lock:
             self.objs, self.copying = objs, copying
             for i, (ref, names) in list(self.aliases.items()):
@@ -139,8 +147,13 @@ class Watch:
             _WATCHES.remove(self)
         self.objs, self.aliases = {}, {}
 
-    def _scan(self, keys: dict[int, list[str]], objs: dict[int, Any]) -> None:
-        """Once: the aliases made before the watch began (``w = p.data`` kept from the set-up)."""
+    def _scan(self, copied: list, objs: dict[int, Any]) -> None:
+        """Once: the aliases made before the watch began (``w = p.data`` kept from the set-up),
+        any tensor on a copied storage (a view of it at another address too)."""
+        keys: dict[int, list[str]] = {}
+        for key, t, _ in copied:
+            keys.setdefault(_storage(t), []).append(key)
+        keys.pop(0, None)
         for o in gc.get_objects():
             # (type(): isinstance reads __class__, which some lazy objects warn on)
             if issubclass(type(o), torch.Tensor) and id(o) not in objs:

@@ -315,18 +315,21 @@ class Snapshots:
         return True
 
     def _start(self, step: int, payload: Any, meta: dict[str, Any]) -> _Job:
-        live = self._live()
-        owned = {_ptr(t) for t in live}
+        live = [(t, _ptr(t)) for t in self._live()]
+        owned = {ptr for _, ptr in live}
         owned.discard(0)
         tensors: dict[str, torch.Tensor] = {}
         watch = []
+        ptrs = []
         for key, t in payload.tensors.items():
-            if key in self._sync or not self._background or _ptr(t) not in owned:
+            ptr = 0 if key in self._sync else _ptr(t)
+            if ptr not in owned:
                 # May change before the next optimizer step (a buffer, a fresh tensor the
                 # thread would race with nothing -- a clone is cheap for those): copied now.
                 t = t.detach().clone()
             else:
                 watch.append((key, t, t._version))
+                ptrs.append(ptr)
             tensors[key] = t
         snap = Payload(
             global_trees=payload.global_trees,
@@ -337,7 +340,7 @@ class Snapshots:
         job = _Job(step, snap, meta, watch)
         assert self._watch is not None
         # Before the training runs again: a .data taken from now on is seen.
-        self._watch.begin(job, live, watch)
+        self._watch.begin(job, live, watch, ptrs)
         job.watch_count = len(watch)
         assert self.area is not None
         if self.area.layout is None and not _dist.active():
