@@ -63,6 +63,28 @@ def test_a_torch_function_subclass_still_gets_data() -> None:
     assert _Logged.seen, "__torch_function__ was not called for .data"
     x.data = torch.ones(4)
     assert torch.equal(x.as_subclass(torch.Tensor), torch.ones(4))
+    _Logged.seen.clear()
+    a = x.numpy()
+    assert a.tolist() == [1.0] * 4 and _Logged.seen, "__torch_function__ was not called for numpy"
+
+
+def test_numpy_behaves_as_torch_s_own_once_patched() -> None:
+    import numpy as np
+
+    assert _data_watch.install() is None
+    t = torch.arange(4.0)
+    a = t.numpy()
+    a[0] = 7.0  # shares the memory, moves no counter
+    assert t[0].item() == 7.0 and t._version == 0
+    assert np.asarray(t).tolist() == [7.0, 1.0, 2.0, 3.0]
+    assert t.numpy(force=True).tolist() == [7.0, 1.0, 2.0, 3.0]
+    p = torch.nn.Parameter(torch.zeros(2))
+    try:
+        p.numpy()
+    except RuntimeError as e:
+        assert "requires grad" in str(e)
+    else:
+        raise AssertionError("numpy() of a tensor that requires grad did not raise")
 
 
 class _Job:
@@ -96,6 +118,10 @@ def test_the_watch_sees_data_of_what_is_copied_and_only_that() -> None:
         assert len(job.watched) == 2
         p.data = torch.zeros(4, 4)
         assert job.marked == [["w"]]
+        other.numpy()
+        assert job.marked == [["w"]] and not w.exposed
+        before.numpy()  # an alias found by the scan
+        assert job.marked == [["w"], ["w"]] and w.exposed == {"w"}
         w.end()
         p.data.mul_(1)  # outside the window: remembered for the next one, not this job's
         assert len(job.watched) == 2

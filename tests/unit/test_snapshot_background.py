@@ -187,7 +187,16 @@ def _hold_copies(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
 
 
 @pytest.mark.parametrize(
-    "how", ["data", "data-view", "alias-from-before", "state-assigned", "param-assigned"]
+    "how",
+    [
+        "data",
+        "data-view",
+        "alias-from-before",
+        "state-assigned",
+        "param-assigned",
+        "numpy",
+        "numpy-kept",
+    ],
 )
 def test_a_change_through_data_during_the_copy_is_never_committed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
@@ -208,7 +217,8 @@ def test_a_change_through_data_during_the_copy_is_never_committed(
 
     monkeypatch.setattr(_snapshots.Snapshots, "__init__", spy)
     go = _hold_copies(monkeypatch)
-    aliases: list[torch.Tensor] = []
+    aliases: list[Any] = []
+    made_at: list[int] = []
 
     def meddle(model: torch.nn.Module) -> None:
         w = model[0].weight
@@ -224,6 +234,14 @@ def test_a_change_through_data_during_the_copy_is_never_committed(
             st = made[0].optimizers[0].state.get(w, {}) if made[0].optimizers else {}
             if "exp_avg" in st:
                 st["exp_avg"].data = st["exp_avg"].data * 0.5
+        elif how == "numpy":  # no version counter moves: the .numpy() call is what is seen
+            w.detach().numpy()[:] *= 0.5
+        elif how == "numpy-kept":  # an array made in one step, written in later ones
+            made_at.append(1)
+            if len(made_at) == 3:
+                aliases.append(w.detach().numpy())
+            if len(made_at) >= 5:
+                aliases[0][:] *= 0.5
         else:  # the snapshot copies the old storage (a detached alias): not torn either way
             w.data = w.data * 0.5
         go.set()

@@ -18,9 +18,14 @@ of them):
   on a parameter leaves the copied storage as it was, but not on an optimizer's state tensor,
   which the snapshot copies as the very object).
 
+``torch.Tensor.numpy`` is wrapped the same way: a NumPy array writes without any version
+counter, whenever it is kept, so a copied tensor that ``.numpy()`` exposes (itself, an alias, a
+view's base, or a tensor at its address such as ``p.detach()``) makes the snapshot in flight
+not committed and is copied in the step from then on. Not seen: arrays made before the watch
+began (NumPy arrays are not tracked by the garbage collector, so no scan finds them), and
+writes through ``untyped_storage()``, DLPack or a raw pointer (docs/design.md).
+
 With no watch open the cost is one extra Python call and a global's truth test per ``.data``.
-Writes through ``.numpy()``, ``untyped_storage()``, DLPack or a raw pointer change no counter
-at all: not seen (docs/design.md).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any
 import torch
 
 _DESCRIPTOR: Any = torch._C.TensorBase.__dict__.get("data")
+_NUMPY: Any = torch._C.TensorBase.__dict__.get("numpy")
 _WATCHES: list[Watch] = []  # the open ones (one per Snapshots with a background copy)
 _installed = False
 _install_lock = threading.Lock()
@@ -44,12 +50,15 @@ def patchable() -> str | None:
     or None."""
     if type(_DESCRIPTOR).__name__ != "getset_descriptor":
         return f"torch._C.TensorBase.data is a {type(_DESCRIPTOR).__name__}, not a descriptor"
-    for cls in torch.Tensor.__mro__:
-        if "data" in cls.__dict__:
-            if cls is torch._C.TensorBase or (cls is torch.Tensor and _installed):
-                return None
-            return f"torch.Tensor.data is defined by {cls.__qualname__}, not TensorBase"
-    return "torch.Tensor has no attribute data"
+    if type(_NUMPY).__name__ != "method_descriptor":
+        return f"torch._C.TensorBase.numpy is a {type(_NUMPY).__name__}, not a method"
+    for name in ("data", "numpy"):
+        owner = next((c for c in torch.Tensor.__mro__ if name in c.__dict__), None)
+        if owner is None:
+            return f"torch.Tensor has no attribute {name}"
+        if not (owner is torch._C.TensorBase or (owner is torch.Tensor and _installed)):
+            return f"torch.Tensor.{name} is defined by {owner.__qualname__}, not TensorBase"
+    return None
 
 
 def _get(self: torch.Tensor) -> torch.Tensor:
@@ -69,6 +78,16 @@ def _set(self: torch.Tensor, value: torch.Tensor) -> None:
     _DESCRIPTOR.__set__(self, value)
 
 
+def _numpy(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    if _WATCHES:
+        for w in _WATCHES:
+            w.exposed_by(self)
+    return _NUMPY(self, *args, **kwargs)
+
+
+_numpy.__doc__ = getattr(_NUMPY, "__doc__", None)
+
+
 def install() -> str | None:
     """Patch ``torch.Tensor.data`` (once per process). Why it could not be, or None."""
     global _installed
@@ -79,6 +98,7 @@ def install() -> str | None:
         if why is not None:
             return why
         torch.Tensor.data = property(_get, _set, doc=_DESCRIPTOR.__doc__)  # type: ignore[assignment]
+        torch.Tensor.numpy = _numpy  # type: ignore[method-assign,assignment]
         _installed = True
         return None
 
@@ -92,6 +112,8 @@ class Watch:
         self.aliases: dict[int, tuple[weakref.ref, tuple[str, ...]]] = {}
         self.job: Any = None  # the snapshot whose copy is in flight (a _Job), while open
         self.copying: frozenset[str] = frozenset()  # the keys the thread copies (the window's)
+        self.ptrs: dict[int, list[str]] = {}  # the window's keys by data_ptr()
+        self.exposed: set[str] = set()  # keys whose memory a NumPy array shares
         self._scanned = False
 
     # ---- the snapshot's side (the training thread) --------------------------------------------
@@ -125,7 +147,7 @@ class Watch:
             self._scanned = True
             self._scan(copied, objs)
         with self.lock:
-            self.objs, self.copying = objs, copying
+            self.objs, self.copying, self.ptrs = objs, copying, keys
             for i, (ref, names) in list(self.aliases.items()):
                 a = ref()
                 if a is None:
@@ -191,6 +213,19 @@ class Watch:
             if job is not None:
                 job.watch_alias([k for k in keys if k in self.copying], alias)
 
+    def exposed_by(self, t: torch.Tensor) -> None:
+        """``t.numpy()``, about to be called: a NumPy array writes without any version counter,
+        whenever it is kept, so a tensor it shares memory with is copied in the step from the
+        next snapshot on, and a snapshot whose copy is in flight is not committed."""
+        keys = self._keys(t) or tuple(self.ptrs.get(_ptr(t), ()))
+        if not keys:
+            return
+        with self.lock:
+            self.exposed.update(keys)
+            job = self.job
+            if job is not None:
+                job.mark_changed([k for k in keys if k in self.copying])
+
     def replaced(self, t: torch.Tensor) -> None:
         """``t.data = x``, about to be done."""
         keys = self._keys(t)
@@ -200,6 +235,13 @@ class Watch:
             job = self.job
             if job is not None:
                 job.mark_changed([k for k in keys if k in self.copying])
+
+
+def _ptr(t: torch.Tensor) -> int:
+    try:
+        return int(t.data_ptr())
+    except Exception:  # no storage
+        return 0
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -315,6 +315,14 @@ class Snapshots:
         return True
 
     def _start(self, step: int, payload: Any, meta: dict[str, Any]) -> _Job:
+        assert self._watch is not None
+        new = self._watch.exposed - self._sync
+        if new:
+            self._sync.update(new)
+            log.info(
+                "unbroken: %s shared with NumPy (.numpy()): copied at the step's end from now on",
+                ", ".join(sorted(new)[:5]),
+            )
         live = [(t, _ptr(t)) for t in self._live()]
         owned = {ptr for _, ptr in live}
         owned.discard(0)
@@ -338,7 +346,6 @@ class Snapshots:
             kinds=payload.kinds,
         )
         job = _Job(step, snap, meta, watch)
-        assert self._watch is not None
         # Before the training runs again: a .data taken from now on is seen.
         self._watch.begin(job, live, watch, ptrs)
         job.watch_count = len(watch)
