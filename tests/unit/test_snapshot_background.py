@@ -60,7 +60,7 @@ def _train(
         model=model,
         optimizer=opt,
         ema=ema,
-        save_every=1000,
+        save_every=kwargs.pop("save_every", 1000),
         max_steps=steps + 100 if close_only else steps,
         progress=False,
         **kwargs,
@@ -158,6 +158,21 @@ def test_close_commits_the_snapshot_in_flight(
         assert torch.equal(got[k], want), k
 
 
+def _made(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The Snapshots objects made from now on."""
+    from unbroken.train import _snapshots
+
+    made: list[_snapshots.Snapshots] = []
+    init = _snapshots.Snapshots.__init__
+
+    def spy(self: _snapshots.Snapshots, *a: Any, **k: Any) -> None:
+        init(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(_snapshots.Snapshots, "__init__", spy)
+    return made
+
+
 def _hold_copies(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Make the snapshot's thread wait, before it copies a snapshot, until the returned event
     is set (then cleared for the next one): what the training does meanwhile is in the copy's
@@ -206,16 +221,7 @@ def test_a_change_through_data_during_the_copy_is_never_committed(
     committed -- the copy may hold either side of the change, or both. The thread is held so
     the change lands before it copies: a snapshot committed then would hold the changed
     weight, not its step's (the check in _train compares every committed tensor)."""
-    from unbroken.train import _snapshots
-
-    made: list[_snapshots.Snapshots] = []
-    init = _snapshots.Snapshots.__init__
-
-    def spy(self: _snapshots.Snapshots, *a: Any, **k: Any) -> None:
-        init(self, *a, **k)
-        made.append(self)
-
-    monkeypatch.setattr(_snapshots.Snapshots, "__init__", spy)
+    made = _made(monkeypatch)
     go = _hold_copies(monkeypatch)
     aliases: list[Any] = []
     made_at: list[int] = []
@@ -253,3 +259,14 @@ def test_a_change_through_data_during_the_copy_is_never_committed(
         end = "exp_avg" if how == "state-assigned" else "0.weight"
         assert [k for k in made[0]._sync if k.endswith(end)], made[0]._sync
     assert checked and checked[-1] == 7, checked
+
+
+def test_durable_saves_do_not_move_tensors_into_the_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """unbroken's own reads of the state (a durable save's bytes through NumPy) are not taken
+    for a training's: nothing is moved to the copy in the step, every snapshot is kept."""
+    made = _made(monkeypatch)
+    _, checked, _ = _train(tmp_path, monkeypatch, 9, snapshot_every=1, save_every=3)
+    assert made[0]._sync == set(), made[0]._sync
+    assert checked and checked[-1] == 8, checked
