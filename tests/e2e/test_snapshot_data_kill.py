@@ -1,6 +1,6 @@
 """Parameters changed through ``.data`` between ``run.step()`` and the next optimizer step
 (issue 47's hole): SIGKILL after in-memory snapshots, the resumed run equals the uninterrupted
-one bit for bit.
+one bit for bit, with ``snapshot_copy="background"`` (the opt-in that watches ``.data``).
 
 ``p.data`` is a tensor of its own with its own version counter: a change through it (WGAN's
 weight clipping, ``p.data.clamp_(-c, c)`` before each forward) does not show in ``p``'s
@@ -17,6 +17,7 @@ all JSON state and the full per-step log, losses included.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,7 +36,26 @@ ARGS = ["--steps", str(STEPS), "--save-every", "1000", "--workers", "0", "--snap
 @pytest.mark.slow
 @pytest.mark.parametrize("meddle", ["scale", "clamp"])
 def test_kill_9_with_parameters_changed_through_data(tmp_path: Path, meddle: str) -> None:
-    args = [*ARGS, "--meddle", meddle]
+    """The opt-in background copy: the watch of ``.data`` sees the change."""
+    _kill_and_compare(tmp_path, [*ARGS, "--meddle", meddle, "--snapshot-copy", "background"])
+
+
+@pytest.mark.slow
+def test_kill_9_with_parameters_scaled_through_data_under_the_default_copy(
+    tmp_path: Path,
+) -> None:
+    """The default (every tensor copied in the step): exact with no watch at all -- torch is
+    not patched in the trainer (it says so after every step), and no snapshot is dropped."""
+    text = _kill_and_compare(tmp_path, [*ARGS, "--meddle", "scale", "--say-watch"])
+    said = re.findall(r"Tensor\.data patched: (\w+)", text)
+    assert said and set(said) == {"False"}, text[-3000:]
+    assert "was not kept" not in text, text[-3000:]
+    assert "copied in the background" not in text, text[-3000:]
+
+
+def _kill_and_compare(tmp_path: Path, args: list[str]) -> str:
+    """SIGKILL the trainer at three steps it logged; each relaunch resumes from a snapshot at
+    most one step behind; the run ends equal to an uninterrupted one. The supervisor's output."""
     ref = tmp_path / "ref"
     assert launch(SCRIPT, [*args, "--run-dir", str(ref)]) == 0
     moments = [4, 9, 14]
@@ -76,3 +96,4 @@ def test_kill_9_with_parameters_changed_through_data(tmp_path: Path, meddle: str
     for last, resumed in zip(reached, resumes, strict=True):
         assert last - 1 <= resumed <= last, (reached, resumes)
     assert_identical(ref, run)
+    return text

@@ -96,6 +96,12 @@ def main() -> None:
         "clipping, p.data.clamp_; scale: p.data.mul_; assign: p.data = ...), then sleep "
         "--step-sleep there (in a snapshot's copy window) instead of after run.step()",
     )
+    p.add_argument("--snapshot-copy", choices=["step", "background"], default=None)
+    p.add_argument(
+        "--say-watch",
+        action="store_true",
+        help="print after each step whether torch.Tensor.data is patched (the snapshots' watch)",
+    )
     p.add_argument("--mark", default=None, help="append this process's pid to FILE before Run()")
     a = p.parse_args()
     if a.mark:  # a side effect before Run(), as a download or a print would be
@@ -138,6 +144,7 @@ def main() -> None:
         async_save=a.async_save,
         progress=False,
         **({"snapshot_every": a.snapshot_every} if a.snapshot_every is not None else {}),
+        **({"snapshot_copy": a.snapshot_copy} if a.snapshot_copy is not None else {}),
     )
 
     def batch_size_for(step: int) -> int:
@@ -192,6 +199,9 @@ def main() -> None:
             samples=list(samples),
         )
         samples.clear()
+        if a.say_watch:
+            patched = "data" in vars(torch.Tensor) or "numpy" in vars(torch.Tensor)
+            print(f"toy: step {run.counters.step} Tensor.data patched: {patched}", flush=True)
         if a.step_sleep and not a.meddle:
             time.sleep(a.step_sleep)  # a slower step: an outside kill lands where it is aimed
         loader.batch_size = batch_size_for(run.counters.step)

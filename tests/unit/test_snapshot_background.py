@@ -1,5 +1,6 @@
-"""In-memory snapshots taken off the step's path (issue 47): copied in a thread while the next
-step computes, committed only when no tensor they copied changed under the copy.
+"""In-memory snapshots taken off the step's path (issue 47), ``snapshot_copy="background"``
+(opt-in): copied in a thread while the next step computes, committed only when no tensor they
+copied changed under the copy. The default (a copy in the step): tests/unit/test_snapshot_copy.py.
 
 Each test trains in this process with a snapshot area (as ``unbroken run`` gives one), keeps
 a copy of every tensor of the state at the end of each step, and compares every snapshot the
@@ -48,6 +49,7 @@ def _train(
     snapshot against the state of its step. Returns the states and the steps checked."""
     area = tmp_path / "area"
     monkeypatch.setenv("UNBROKEN_SNAPSHOT_DIR", str(area))
+    kwargs.setdefault("snapshot_copy", "background")  # this file's subject; see test_snapshot_copy
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 3)

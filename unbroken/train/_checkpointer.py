@@ -44,6 +44,7 @@ class Checkpointer:
         rank: int,
         snapshot_dir: str | None,
         snapshot_every: int | None,
+        snapshot_copy: str = "step",
         remote: str | None = None,
         remote_retention: Retention | None = None,
         remote_timeout: float | None = None,
@@ -54,6 +55,7 @@ class Checkpointer:
         self.store = CheckpointStore(run_dir, retention)
         self.lock = WriterLock(run_dir)
         self._snapshot_dir, self._snapshot_every = snapshot_dir, snapshot_every
+        self._snapshot_copy = snapshot_copy
         self.snapshots: Snapshots | None = None
         self._remote_url, self._remote_retention = remote, remote_retention
         self._remote_timeout = remote_timeout  # remote_finish_timeout
@@ -79,6 +81,7 @@ class Checkpointer:
             self._snapshot_dir,
             self._snapshot_every,
             rank=self.rank,
+            copy=self._snapshot_copy,
             run_dir=self.dir,
             schedule=self._schedule,
         )

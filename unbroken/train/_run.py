@@ -100,6 +100,7 @@ class Run:
             rank=self.rank,
             snapshot_dir=process.snapshot_dir,
             snapshot_every=cfg.snapshot_every,
+            snapshot_copy=cfg.snapshot_copy,
             remote=cfg.remote,
             remote_retention=remote_retention(cfg, process),
             remote_timeout=cfg.remote_finish_timeout,

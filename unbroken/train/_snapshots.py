@@ -6,25 +6,37 @@ every step when that costs at most ``BUDGET`` of the step time, else picks the i
 keeps it there, and says which once. Every rank takes part in every snapshot (the store's save
 is collective), so the interval is decided on rank 0 and broadcast once.
 
-Off the step's critical path: at the end of step N the training hands the snapshot to a
-background thread and goes on. What that costs the step is what ``collect()`` costs (the
-components' state dicts: live tensors, not copies) and a copy of the few tensors that the
-training may change before the next optimizer step (buffers such as BatchNorm's statistics,
-anything not held by a tracked optimizer). The thread copies the rest -- the parameters and
-the optimizer's state, which nothing changes before the next ``optimizer.step()`` -- into the
-free slot while step N+1 runs its forward and backward passes; a hook before every
-``optimizer.step()`` waits for that copy to be complete (:meth:`Snapshots.judge`), and checks
-with torch's version counters that none of the tensors it copied changed meanwhile. Only then
-is the slot hashed and the snapshot committed (still in the thread). A tensor that did change
-under the copy (changed in place by something other than the optimizer) makes that snapshot
-torn: it is not committed -- the previous one stays the newest -- and the tensor is copied at
-the step's end from then on. The next ``run.step()`` waits for the commit before it logs its
-step (:meth:`Snapshots.settle`), so a step the log shows is a step whose predecessor is in a
+By default (``snapshot_copy="step"``) exact by construction: at the end of step N the
+training collects the state (``collect()``: the components' state dicts, live tensors) and a
+background thread copies every tensor into the free slot while the training waits for it
+(:meth:`_Job.judge` right after :meth:`Snapshots._start`) -- a plain copy, in the step, of the
+state of step N; the JSON trees are copied too (``copy.deepcopy``). What follows is off the
+step's path, in the thread, while step N+1 computes: hashing the slot, the table and JSON
+files, the copy to the buddy node, the commit. Nothing is watched: no version counter, no
+hook, no patch of torch.
+
+``snapshot_copy="background"`` (opt-in) also takes the copy off the step's path: the training
+copies at the step's end only the few tensors it may change before the next optimizer step
+(buffers such as BatchNorm's statistics, anything not held by a tracked optimizer). The thread
+copies the rest -- the parameters and the optimizer's state, which nothing changes before the
+next ``optimizer.step()`` -- into the free slot while step N+1 runs its forward and backward
+passes; a hook before every ``optimizer.step()`` waits for that copy to be complete
+(:meth:`_Job.judge`), and checks with torch's version counters, and the ``Tensor.data`` /
+``.numpy()`` watch (train/_data_watch.py), that none of the tensors it copied changed
+meanwhile. Only then is the slot hashed and the snapshot committed (still in the thread). A
+tensor that did change under the copy (changed in place by something other than the
+optimizer) makes that snapshot torn: it is not committed -- the previous one stays the newest
+-- and the tensor is copied at the step's end from then on. Changes that move no version
+counter and escape the watch are not seen (docs/design.md lists them).
+
+Either way the next ``run.step()`` waits for the commit before it logs its step
+(:meth:`Snapshots.committed`), so a step the log shows is a step whose predecessor is in a
 snapshot: a crash loses at most one step.
 """
 
 from __future__ import annotations
 
+import copy as _copy
 import functools
 import math
 import os
@@ -186,8 +198,10 @@ class Snapshots:
         rank: int,
         run_dir: str,
         schedule: dict[str, int | None] | None = None,
+        copy: str = "step",
     ) -> None:
         self.rank, self.run_dir = rank, run_dir
+        self.copy = copy  # "step": copied in the step; "background": by the thread (see above)
         self.area: SnapshotArea | None = None
         self.interval = every
         self.seconds: float | None = None
@@ -202,7 +216,7 @@ class Snapshots:
         self._hook: Any = None
         self._costs: list[float] = []  # what each background snapshot cost the step (s)
         self._step_s = 0.0  # the step time (a cautious estimate), for the interval's choice
-        self._background = True
+        self._background = True  # the thread may be used (False once it failed)
         self._watch: _data_watch.Watch | None = None  # .data of what the thread copies
         if root and every != 0:
             try:
@@ -220,6 +234,15 @@ class Snapshots:
             # At once, not at the first snapshot: a run that saves durably at every step takes
             # none, and the supervisor still judges a crash's progress by this directory.
             self.area.tell(run_dir)
+            if copy == "background" and rank == 0:
+                _log.say(
+                    log,
+                    "in-memory snapshots copied in the background (snapshot_copy='background'): "
+                    "a change to the state before the next optimizer step that moves no version "
+                    "counter and escapes the Tensor.data/.numpy() watch is not seen (NumPy "
+                    "arrays made earlier, untyped_storage(), DLPack, raw pointers, "
+                    "torch.compile's eager backend): such a snapshot is torn (docs/design.md)",
+                )
         elif os.environ.get("LOCAL_RANK", "0") == "0":
             # No area (--no-snapshots, refused, off): the launch's stop directory is the channel.
             _stops.tell_run_dir(run_dir, schedule)
@@ -278,10 +301,14 @@ class Snapshots:
             self.taken
             and self._background
             and not _on_gpu(payload.tensors.values())
-            and self._watching()
+            and (self.copy == "step" or self._watching())
         ):
             job = self._start(step, payload, meta)
             job.cost = time.thread_time() - c1
+            if self.copy == "step":
+                # The copy in the step: the training goes on once every tensor is in the slot
+                # (the wait counts as the step's, in job.waited); the rest is the thread's.
+                job.judge()
             return time.perf_counter() - t0
         # In the step's path: the first one (it sizes the slots and checks they fit), and all
         # of them after a background one failed.
@@ -315,6 +342,42 @@ class Snapshots:
         return True
 
     def _start(self, step: int, payload: Any, meta: dict[str, Any]) -> _Job:
+        if self.copy == "step":
+            # Every tensor as it is: the training waits until the thread copied them all.
+            job = _Job(step, self._own_trees(payload, payload.tensors), meta, [])
+        else:
+            job = self._start_background(step, payload, meta)
+        assert self.area is not None
+        if self.area.layout is None and not _dist.active():
+            job.commit = functools.partial(self.area.store.rename_into_place, step)
+        if self._thread is None:
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(
+                target=self._work, name="unbroken-snapshot", daemon=True
+            )
+            self._thread.start()
+            if self.copy == "background":
+                # Before every optimizer step, any optimizer: ours are among them, and a check
+                # with nothing in flight is one attribute read.
+                self._hook = register_optimizer_step_pre_hook(self._before_step)
+                BEFORE_UPDATE.append(self._before_update)
+        self._job = job
+        assert self._queue is not None
+        self._queue.put(job)
+        return job
+
+    @staticmethod
+    def _own_trees(payload: Any, tensors: dict[str, torch.Tensor]) -> Payload:
+        """The payload the thread writes: ``tensors``, and the JSON trees as they are now (a
+        copy: a tree the training changes in the next step is not what this step held)."""
+        return Payload(
+            global_trees=_copy.deepcopy(payload.global_trees),
+            local_trees=_copy.deepcopy(payload.local_trees),
+            tensors=tensors,
+            kinds=dict(payload.kinds),
+        )
+
+    def _start_background(self, step: int, payload: Any, meta: dict[str, Any]) -> _Job:
         assert self._watch is not None
         new = self._watch.exposed - self._sync
         if new:
@@ -339,32 +402,10 @@ class Snapshots:
                 watch.append((key, t, t._version))
                 ptrs.append(ptr)
             tensors[key] = t
-        snap = Payload(
-            global_trees=payload.global_trees,
-            local_trees=payload.local_trees,
-            tensors=tensors,
-            kinds=payload.kinds,
-        )
-        job = _Job(step, snap, meta, watch)
+        job = _Job(step, self._own_trees(payload, tensors), meta, watch)
         # Before the training runs again: a .data taken from now on is seen.
         self._watch.begin(job, live, watch, ptrs)
         job.watch_count = len(watch)
-        assert self.area is not None
-        if self.area.layout is None and not _dist.active():
-            job.commit = functools.partial(self.area.store.rename_into_place, step)
-        if self._thread is None:
-            self._queue = queue.SimpleQueue()
-            self._thread = threading.Thread(
-                target=self._work, name="unbroken-snapshot", daemon=True
-            )
-            self._thread.start()
-            # Before every optimizer step, any optimizer: ours are among them, and a check with
-            # nothing in flight is one attribute read.
-            self._hook = register_optimizer_step_pre_hook(self._before_step)
-            BEFORE_UPDATE.append(self._before_update)
-        self._job = job
-        assert self._queue is not None
-        self._queue.put(job)
         return job
 
     def _live(self) -> list[torch.Tensor]:
