@@ -1,7 +1,8 @@
 """What an in-memory snapshot costs a training step, as a % of the step, source against source.
 
     .venv/bin/python bench/bench_snapshot_step.py --src main=/path/to/main --src branch=. \
-        [--kind char_lm --kind 1gb] [--repeats 5] [--steps 40] [--every 1|default]
+        [--kind char_lm --kind 1gb] [--repeats 5] [--steps 40] [--every 1|default] \
+        [--copy NAME=step|background]
 
 Each trainer is a fresh process of one source tree (``--src NAME=PATH``: its ``unbroken``),
 training through ``unbroken.Run`` with a snapshot area in /dev/shm as ``unbroken run`` gives
@@ -18,7 +19,9 @@ after the first ``--skip`` (the default interval is chosen by then); the process
 (every thread) per step likewise. The cost of a repeat is snapshot / plain - 1 of the same
 source in the same repeat; the table gives the median over repeats and the spread (min..max).
 ``--every 1`` forces a snapshot every step; ``default`` leaves ``snapshot_every`` unset (what
-each source picks by itself; it says what it picked on stderr, shown here). Last line: JSON.
+each source picks by itself; it says what it picked on stderr, shown here). ``--copy
+NAME=MODE`` passes ``snapshot_copy=MODE`` to source NAME's trainers (one tree under two names
+compares the two modes). Last line: JSON.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ import torch, torch.nn as nn, torch.nn.functional as F
 import unbroken
 torch.set_num_threads(1)
 kw = {} if every == "default" else {"snapshot_every": int(every)}
+if os.environ.get("BENCH_SNAPSHOT_COPY"):
+    kw["snapshot_copy"] = os.environ["BENCH_SNAPSHOT_COPY"]
 run_dir = os.environ["RUN_DIR"]
 times, cpus = [], []
 if kind == "char_lm":
@@ -98,10 +103,13 @@ json.dump({"times": times, "cpus": cpus, "state_bytes": state, "costs": costs}, 
 """
 
 
-def trainer(src: str, kind: str, snap: bool, steps: int, every: str, tmp: Path) -> dict:
+def trainer(
+    src: str, kind: str, snap: bool, steps: int, every: str, tmp: Path, copy: str = ""
+) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=tmp))
     out = run_dir / "out.json"
     env = {**os.environ, "RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1", "PYTHONPATH": src}
+    env["BENCH_SNAPSHOT_COPY"] = copy
     env.pop("UNBROKEN_SNAPSHOT_DIR", None)
     area = None
     if snap:
@@ -130,7 +138,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--skip", type=int, default=10, help="first steps left out of the medians")
     p.add_argument("--every", default="1", help="1, k, or default (snapshot_every unset)")
+    p.add_argument(
+        "--copy",
+        action="append",
+        default=[],
+        help="NAME=MODE: Run(snapshot_copy=MODE) for source NAME (step, background)",
+    )
     a = p.parse_args()
+    copies = dict(c.split("=", 1) for c in a.copy)
     srcs = dict(s.split("=", 1) for s in a.src)
     srcs = {k: str(Path(v).resolve()) for k, v in srcs.items()}
     kinds = a.kind or ["char_lm"]
@@ -143,7 +158,9 @@ def main() -> None:
             for r in range(a.repeats):
                 k = r % len(order)
                 for s, b in order[k:] + order[:k]:
-                    runs[(s, b)].append(trainer(srcs[s], kind, bool(b), a.steps, a.every, tmp))
+                    runs[(s, b)].append(
+                        trainer(srcs[s], kind, bool(b), a.steps, a.every, tmp, copies.get(s, ""))
+                    )
             for s in srcs:
                 cost, cpu, step, path = [], [], [], []
                 for plain, snap in zip(runs[(s, False)], runs[(s, True)], strict=True):
