@@ -122,10 +122,11 @@ class RunConfig:
     """Under ``unbroken run``: an in-memory snapshot every N steps (0: none; None: as often as
     keeps them under 1% of the step time), persisted by the supervisor if the process dies."""
     snapshot_copy: str = _option("step", "snapshot", expects="'step' or 'background'")
-    """How a snapshot's tensors are copied. ``"step"`` (the default): every tensor is copied
-    into the snapshot at ``run.step()``, the training waiting for the copy -- the snapshot is
-    the state of that step exactly, whatever the training does next; hashing, writing the
-    table and the commit go on in a thread while the next step computes. ``"background"``: the
+    """How a snapshot's tensors are copied. ``"step"`` (the default): every tensor is copied at
+    ``run.step()`` (into buffers kept from one snapshot to the next: one more copy of the state
+    in memory) -- the snapshot is the state of that step exactly, whatever the training does
+    next; the copy into shared memory, hashing, writing the table and the commit go on in a
+    thread while the next step computes. ``"background"``: the
     tracked optimizers' parameters and state and the EMAs' shadows (CPU tensors only) are
     copied by that thread while the next step computes, checked by their version counters
     before the next ``optimizer.step()``, and ``Tensor.data``/``.numpy()`` are watched; changes
