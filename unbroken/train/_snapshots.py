@@ -10,7 +10,7 @@ By default (``snapshot_copy="step"``) exact by construction: at the end of step 
 training collects the state (``collect()``: the components' state dicts, live tensors) and
 copies every tensor, there and then, into buffers of its own kept from one snapshot to the next
 (:meth:`Snapshots._copy_all`, one ``torch._foreach_copy_``) -- a plain copy of the state of
-step N; the JSON trees are copied too (``copy.deepcopy``). What follows is off the step's path,
+step N; the JSON trees are copied too (:func:`_copy_tree`). What follows is off the step's path,
 in the thread, while step N+1 computes: the copy into the free slot, hashing it, the table and
 JSON files, the copy to the buddy node, the commit. Nothing is watched: no version counter, no
 hook, no patch of torch. (A first version had the training wait for the thread's copy into the
@@ -344,6 +344,10 @@ class Snapshots:
         if self.copy == "step":
             # Every tensor copied here, in the step: the thread writes the copies.
             job = _Job(step, self._own_trees(payload, self._copy_all(payload.tensors)), meta, [])
+            # Nothing to wait for or judge: the copies are the snapshot's own. The thread
+            # commits as soon as every file is written, while the next step computes.
+            job.copied.set()
+            job.judged.set()
         else:
             job = self._start_background(step, payload, meta)
         assert self.area is not None
@@ -399,8 +403,8 @@ class Snapshots:
         """The payload the thread writes: ``tensors``, and the JSON trees as they are now (a
         copy: a tree the training changes in the next step is not what this step held)."""
         return Payload(
-            global_trees=_copy.deepcopy(payload.global_trees),
-            local_trees=_copy.deepcopy(payload.local_trees),
+            global_trees=_copy_tree(payload.global_trees),
+            local_trees=_copy_tree(payload.local_trees),
             tensors=tensors,
             kinds=dict(payload.kinds),
         )
@@ -608,6 +612,25 @@ class Snapshots:
             return reader
         log.info("unbroken: reading step %d from the in-memory snapshot", reader.step)
         return snap
+
+
+_ATOMS = (str, int, float, bool, type(None))
+
+
+def _copy_tree(tree: Any) -> Any:
+    """A copy of a state's JSON tree as it is now: dicts, lists and tuples copied, numbers and
+    strings shared (immutable), anything else deep-copied. ``copy.deepcopy`` of it all took
+    0.6 ms of char_lm's step (its memo and dispatch per element)."""
+    t = type(tree)
+    if t in _ATOMS:
+        return tree
+    if t is dict:
+        return {k: _copy_tree(v) for k, v in tree.items()}
+    if t is list:
+        return [v if type(v) in _ATOMS else _copy_tree(v) for v in tree]
+    if t is tuple:
+        return tuple(v if type(v) in _ATOMS else _copy_tree(v) for v in tree)
+    return _copy.deepcopy(tree)
 
 
 def _on_gpu(tensors: Iterable[torch.Tensor]) -> bool:
