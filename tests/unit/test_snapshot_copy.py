@@ -76,8 +76,10 @@ def test_the_default_copy_is_exact_whatever_the_next_step_writes(
         snapshot_every=1,
         snapshot_copy="step",  # the default (RunConfig's, asserted below)
     )
-    # Every snapshot committed (none torn: nothing to judge), each equal to its step's state.
-    assert checked == list(range(1, steps)), checked
+    # Every snapshot read was its step's state (_train compared every tensor); none was
+    # dropped (nothing to judge): after run.step(N), the newest is N-1 or already N.
+    assert checked == sorted(checked) and checked[-1] >= steps - 1, checked
+    assert all(n - 1 <= c <= n for n, c in enumerate(checked, start=2)), checked
     # The first sizes the slots in the step; the later ones are written by the thread.
     assert threads[0] == threading.main_thread().name
     assert set(threads[1:]) == {"unbroken-snapshot"}, threads
@@ -97,7 +99,9 @@ def test_the_default_interval_is_chosen_once_from_the_copy_in_the_step(
     _, checked, _ = _train(tmp_path, monkeypatch, 3 + 2 * _snapshots.MEASURED, snapshot_copy="step")
     assert len([s for s in said if "in-memory snapshot every" in s]) == 1, said
     assert not [s for s in said if "background" in s], said
-    assert checked[: _snapshots.MEASURED] == list(range(1, _snapshots.MEASURED + 1)), checked
+    # A snapshot every step until the choice: after run.step(N) the newest is N-1 or N.
+    measured = checked[: _snapshots.MEASURED]
+    assert all(n - 1 <= c <= n for n, c in enumerate(measured, start=2)), checked
     # What each snapshot cost the step includes the wait for the copy.
     assert made[0]._costs and all(c > 0 for c in made[0]._costs)
 
