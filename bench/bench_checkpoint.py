@@ -743,6 +743,15 @@ def run(a: argparse.Namespace, repeats: int, shape: str, wshape: str, root: str)
         print(f"save repeat {r + 1}/{repeats} done", flush=True)
     sm = {k: statistics.median(v) for k, v in st.items()}
     spread = {k: [round(min(v), 4), round(max(v), 4)] for k, v in st.items()}
+    # How steady the disk was: the ceiling's own spread, and the save against the ceiling of
+    # the same repeat (they run back to back, interleaved): a 0.9x read off medians means
+    # little when the ceiling moves by a third between repeats.
+    per_repeat = [c / s for c, s in zip(st["ceiling"], st["unbroken_sync"], strict=True)]
+    spread["save_over_ceiling_per_repeat"] = [round(min(per_repeat), 3), round(max(per_repeat), 3)]
+    spread["ceiling_relative_spread"] = [
+        round((max(st["ceiling"]) - min(st["ceiling"])) / sm["ceiling"], 3),
+        round(statistics.median(per_repeat), 3),
+    ]
 
     # -- load --
     paths = write_fixtures(model, opt, reg, os.path.join(root, "load"))
@@ -948,6 +957,13 @@ def report(
         f"| durable save throughput >= 0.9x the ceiling's | "
         f"{ratios['save_over_ceiling']:.2f}x | {ok['save_over_ceiling']} |"
     )
+    lo, hi = spread["save_over_ceiling_per_repeat"]
+    rel, med = spread["ceiling_relative_spread"]
+    print(
+        f"| (how steady: the ceiling {spread['ceiling'][0]:.3f}..{spread['ceiling'][1]:.3f} s, "
+        f"a spread of {rel * 100:.0f}% of its median; save vs the ceiling of the same repeat "
+        f"{med:.2f}x, {lo:.2f}..{hi:.2f}) | - | - |"
+    )
     print(
         f"| durable save faster than safetensors + fsync (speed-up) | "
         f"{ratios['save_over_safetensors']:.2f}x | {ok['save_faster_than_safetensors']} |"
@@ -1010,6 +1026,14 @@ def report(
         "world_state_bytes": wbytes,
         "world_s": {m: {k: round(v, 4) for k, v in d.items()} for m, d in wm.items()},
         "ratios": {k: round(v, 3) for k, v in ratios.items()},
+        "ceiling_spread": {
+            "seconds": spread["ceiling"],
+            "relative": spread["ceiling_relative_spread"][0],
+            "save_over_ceiling_per_repeat": {
+                "median": spread["ceiling_relative_spread"][1],
+                "min_max": spread["save_over_ceiling_per_repeat"],
+            },
+        },
         "targets": TARGETS,
         "ok": ok,
     }

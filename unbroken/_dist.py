@@ -151,39 +151,40 @@ def all_gather_object(obj: T, group: Any = None) -> list[T]:
     return out
 
 
-def broadcast_object(obj: T, src: int = 0, what: str = "broadcast") -> T:
+def broadcast_object(obj: T, src: int = 0, what: str = "broadcast", group: Any = None) -> T:
     """``obj`` of rank ``src`` on every rank, as JSON: a resume decision or a number, never
-    pickled, so nothing a peer sends can execute code (tuples arrive as lists)."""
+    pickled, so nothing a peer sends can execute code (tuples arrive as lists). ``group``: a
+    snapshot's own group, whose collectives run beside the training's (src is a global rank)."""
     if not active():
         return obj
-    device = _device()
+    device = _device(group)
     data = json.dumps(obj).encode() if rank() == src else b""
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    bounded(dist.broadcast(size, src=src, async_op=True), what)
+    bounded(dist.broadcast(size, src=src, group=group, async_op=True), what)
     buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     if rank() == src:
         buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    bounded(dist.broadcast(buf, src=src, async_op=True), what)
+    bounded(dist.broadcast(buf, src=src, group=group, async_op=True), what)
     if rank() == src:
         return obj
     out: T = json.loads(buf.cpu().numpy().tobytes())
     return out
 
 
-def all_gather_json(obj: T, what: str = "gather") -> list[T]:
+def all_gather_json(obj: T, what: str = "gather", group: Any = None) -> list[T]:
     """``obj`` of every rank, in rank order, as JSON (never pickled: see broadcast_object)."""
     if not active():
         return [obj]
-    device = _device()
+    device = _device(group)
     data = json.dumps(obj).encode()
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size())]
     mine = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    bounded(dist.all_gather(sizes, mine, async_op=True), what)
+    bounded(dist.all_gather(sizes, mine, group=group, async_op=True), what)
     most = max(int(s.item()) for s in sizes)
     buf = torch.zeros(most, dtype=torch.uint8, device=device)
     buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     parts = [torch.empty(most, dtype=torch.uint8, device=device) for _ in range(world_size())]
-    bounded(dist.all_gather(parts, buf, async_op=True), what)
+    bounded(dist.all_gather(parts, buf, group=group, async_op=True), what)
     return [
         json.loads(p[: int(s.item())].cpu().numpy().tobytes())
         for p, s in zip(parts, sizes, strict=True)

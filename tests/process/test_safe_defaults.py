@@ -308,7 +308,7 @@ def test_startup_says_snapshots_are_off(tmp_path: Path) -> None:
 
 
 def test_the_trainer_says_its_snapshot_interval(tmp_path: Path) -> None:
-    """Chosen by the trainer (``snapshot_every=None``: as often as keeps them under 2% of a
+    """Chosen by the trainer (``snapshot_every=None``: as often as keeps them under 1% of a
     step) or given: said once on stderr, whatever logging's configuration (the script logs to
     a file of its own at INFO)."""
     run, report = tmp_path / "run", tmp_path / "report.json"

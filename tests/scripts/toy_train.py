@@ -88,6 +88,20 @@ def main() -> None:
     p.add_argument("--signal", choices=["TERM", "KILL", "INT", "USR1"], default="KILL")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (kill tests)")
     p.add_argument("--snapshot-every", type=int, default=None)
+    p.add_argument(
+        "--meddle",
+        choices=["clamp", "scale", "assign"],
+        default=None,
+        help="change the parameters through .data before each forward (clamp: WGAN's weight "
+        "clipping, p.data.clamp_; scale: p.data.mul_; assign: p.data = ...), then sleep "
+        "--step-sleep there (in a snapshot's copy window) instead of after run.step()",
+    )
+    p.add_argument("--snapshot-copy", choices=["step", "background"], default=None)
+    p.add_argument(
+        "--say-watch",
+        action="store_true",
+        help="print after each step whether torch.Tensor.data is patched (the snapshots' watch)",
+    )
     p.add_argument("--mark", default=None, help="append this process's pid to FILE before Run()")
     a = p.parse_args()
     if a.mark:  # a side effect before Run(), as a download or a print would be
@@ -130,6 +144,7 @@ def main() -> None:
         async_save=a.async_save,
         progress=False,
         **({"snapshot_every": a.snapshot_every} if a.snapshot_every is not None else {}),
+        **({"snapshot_copy": a.snapshot_copy} if a.snapshot_copy is not None else {}),
     )
 
     def batch_size_for(step: int) -> int:
@@ -145,7 +160,20 @@ def main() -> None:
         os.kill(os.getpid(), getattr(signal, "SIG" + a.signal))
     samples: list[int] = []
 
+    def meddle() -> None:
+        for prm in model.parameters():
+            if a.meddle == "clamp":
+                prm.data.clamp_(-0.3, 0.3)
+            elif a.meddle == "scale":
+                prm.data.mul_(0.999)
+            else:
+                prm.data = prm.data * 0.999
+
     def train_step(micro: list) -> None:
+        if a.meddle:
+            meddle()
+            if a.step_sleep:
+                time.sleep(a.step_sleep)
         total = 0.0
         for x, y in micro:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=scaler is not None):
@@ -171,7 +199,10 @@ def main() -> None:
             samples=list(samples),
         )
         samples.clear()
-        if a.step_sleep:
+        if a.say_watch:
+            patched = "data" in vars(torch.Tensor) or "numpy" in vars(torch.Tensor)
+            print(f"toy: step {run.counters.step} Tensor.data patched: {patched}", flush=True)
+        if a.step_sleep and not a.meddle:
             time.sleep(a.step_sleep)  # a slower step: an outside kill lands where it is aimed
         loader.batch_size = batch_size_for(run.counters.step)
         if a.signal_at is not None and run.counters.step == a.signal_at:

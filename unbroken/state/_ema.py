@@ -13,6 +13,10 @@ from ..errors import ConfigError, StateError
 EMA_VERSION = 1
 
 
+BEFORE_UPDATE: list[Callable[[], None]] = []
+"""Called before every :meth:`EMA.update` changes a shadow tensor in place."""
+
+
 class EMA:
     """Smoothed copies of a model's floating-point parameters and buffers.
 
@@ -66,6 +70,8 @@ class EMA:
     @torch.no_grad()
     def update(self) -> None:
         """Fold the model's current weights into the average; call after each optimizer step."""
+        for hook in BEFORE_UPDATE:
+            hook()  # an in-memory snapshot may be copying the shadow (train/_snapshots.py)
         d = self.current_decay()
         avg_s, avg_l, copy = self._pairs()
         if avg_s:

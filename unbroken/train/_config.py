@@ -28,6 +28,8 @@ GROUPS = {
     "loop": "what `run.loop()` applies at step starts: settings, callbacks, stages",
 }
 """The option groups, in the order the docs list them."""
+SNAPSHOT_COPIES = ("step", "background")
+"""The values of ``snapshot_copy``."""
 
 
 def _option(
@@ -118,7 +120,20 @@ class RunConfig:
     # ---- snapshot ----
     snapshot_every: int | None = _option(None, "snapshot")
     """Under ``unbroken run``: an in-memory snapshot every N steps (0: none; None: as often as
-    keeps them under 2% of the step time), persisted by the supervisor if the process dies."""
+    keeps them under 1% of the step time), persisted by the supervisor if the process dies."""
+    snapshot_copy: str = _option("step", "snapshot", expects="'step' or 'background'")
+    """How a snapshot's tensors are copied. ``"step"`` (the default): every tensor is copied at
+    ``run.step()`` (into buffers kept from one snapshot to the next: one more copy of the state
+    in memory) -- the snapshot is the state of that step exactly, whatever the training does
+    next; the copy into shared memory, hashing, writing the table and the commit go on in a
+    thread while the next step computes. ``"background"``: the
+    tracked optimizers' parameters and state and the EMAs' shadows (CPU tensors only) are
+    copied by that thread while the next step computes, checked by their version counters
+    before the next ``optimizer.step()``, and ``Tensor.data``/``.numpy()`` are watched; changes
+    that move no version counter and escape that watch are not seen and make a torn snapshot
+    (NumPy arrays made before the snapshot, ``.numpy()`` of a view at another address,
+    ``untyped_storage()``, DLPack, raw pointers, code compiled by ``torch.compile``'s eager
+    backend). See docs/design.md."""
     # ---- log ----
     metrics: bool = _option(True, "log", framework=True)
     """Write ``RUN/metrics.jsonl``."""
@@ -175,6 +190,11 @@ class RunConfig:
             parse_url(self.remote)  # a malformed URL fails here, before anything runs
         self.allow_missing = tuple(self.allow_missing)
         self.allow_unexpected = tuple(self.allow_unexpected)
+        if self.snapshot_copy not in SNAPSHOT_COPIES:
+            raise ConfigError(
+                f"snapshot_copy must be one of {', '.join(map(repr, SNAPSHOT_COPIES))}, "
+                f"got {self.snapshot_copy!r}"
+            )
         if self.snapshot_every is not None and self.snapshot_every < 0:
             raise ConfigError(
                 f"snapshot_every must be an int >= 0 or None, got {self.snapshot_every!r}"

@@ -100,6 +100,7 @@ class Run:
             rank=self.rank,
             snapshot_dir=process.snapshot_dir,
             snapshot_every=cfg.snapshot_every,
+            snapshot_copy=cfg.snapshot_copy,
             remote=cfg.remote,
             remote_retention=remote_retention(cfg, process),
             remote_timeout=cfg.remote_finish_timeout,
@@ -139,6 +140,8 @@ class Run:
             # From now to exit; until training starts a stop exits 75 (resuming is not training).
             install_signal_handlers()
         self._checkpointer.open()
+        if self._checkpointer.snapshots is not None:
+            self._checkpointer.snapshots.track(c.obj for c in self.registry)
         try:
             resumer = Resumer(
                 self.store,
@@ -197,6 +200,9 @@ class Run:
         """
         c = self.counters
         self._checkpointer.check()  # a background save that failed is raised at the next step
+        # The previous step's in-memory snapshot committed before this step is logged: a step
+        # the log shows is never more than one step past the newest snapshot.
+        self._pace.exclude(self._checkpointer.snapshot_committed())
         dt = self._pace.tick()
         c.step += 1
         c.train_seconds += dt

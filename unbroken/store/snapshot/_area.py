@@ -30,6 +30,7 @@ import os
 import shutil
 import stat
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ...errors import CheckpointError, CheckpointWriteError, LockError
@@ -51,6 +52,11 @@ log = _log.get()
 
 class SnapshotsOff(Exception):
     """In-memory snapshots cannot be used here; the message says why (durable saves go on)."""
+
+
+class SnapshotTorn(Exception):
+    """A snapshot taken in the background was not committed: a tensor it copied changed
+    before the copy was complete (the previous snapshot stays the newest)."""
 
 
 def free_bytes(path: str) -> int:
@@ -115,10 +121,24 @@ class SnapshotArea:
             _shm.tell_run_dir(self.root, run_dir)
             self._told = run_dir
 
-    def save(self, step: int, payload: Any, meta: dict[str, Any], group: Any = None) -> str | None:
+    def save(
+        self,
+        step: int,
+        payload: Any,
+        meta: dict[str, Any],
+        group: Any = None,
+        torn: Callable[[], bool] | None = None,
+        before_commit: Callable[[], bool] | None = None,
+        after_commit: Callable[[], None] | None = None,
+    ) -> str | None:
         """Commit a snapshot of ``step``; its path, or None when it could not be written (a full
         ``/dev/shm``, say): :attr:`disabled` then says why, on every rank (the store agrees on
-        failures), and snapshots are off."""
+        failures), and snapshots are off. ``torn`` (a snapshot taken in the background): asked,
+        on every rank, when the save failed -- True when it failed because a tensor changed
+        under the copy on some rank; then :class:`SnapshotTorn` is raised and snapshots stay
+        on (the previous snapshot is still the newest). ``before_commit``: see
+        CheckpointStore.save; ``after_commit``: called once it is committed, before the
+        previous snapshot is deleted."""
         if self.disabled is not None:
             return None
         run_dir = meta.get("run_dir")
@@ -127,17 +147,22 @@ class SnapshotArea:
         try:
             with _storage.data_files_into(self.slots):
                 if self.layout is not None:
-                    path = save_part(self.store, step, payload, meta, self.layout, self.group)
+                    path = save_part(
+                        self.store, step, payload, meta, self.layout, self.group, before_commit
+                    )
                 else:
-                    path = self.store.save(step, payload, meta, group=group)
-        except CheckpointWriteError as e:
-            self.slots.aborted()
-            self._turn_off(step, e)
-            return None
-        except BaseException:
+                    path = self.store.save(step, payload, meta, group, before_commit)
+        except BaseException as e:
             self.slots.aborted()  # not committed: the previous snapshot's slot stays in use
+            if torn is not None and isinstance(e, Exception) and torn():
+                raise SnapshotTorn(step) from e
+            if isinstance(e, CheckpointWriteError):
+                self._turn_off(step, e)
+                return None
             raise
         self.slots.committed()
+        if after_commit is not None:
+            after_commit()  # committed: what follows is housekeeping
         if self._leader():
             self.store.apply_retention(step)
             self._drop_newer(step)

@@ -72,7 +72,13 @@ class NodeLayout:
 
 
 def save_part(
-    store: Any, step: int, payload: Any, meta: dict[str, Any], layout: NodeLayout, group: Any
+    store: Any,
+    step: int,
+    payload: Any,
+    meta: dict[str, Any],
+    layout: NodeLayout,
+    group: Any,
+    before_commit: Any = None,
 ) -> str:
     """Commit this node's part of the snapshot of ``step`` in ``store`` (its area's
     CheckpointStore); collective over the job. ``group`` is a gloo group of every rank, for
@@ -82,22 +88,25 @@ def save_part(
     err: BaseException | None = None
     if layout.leader:
         err = _attempt(lambda: store._prepare(tmp))
-    store._agree(err, tmp, step, owner=layout.leader)
+    store._agree(err, tmp, step, group, owner=layout.leader)
     records: dict[str, tuple[int, str]] = {}
-    err = _attempt(lambda: records.update(store._write_rank_files(tmp, payload, None)))
-    store._agree(err, tmp, step, owner=layout.leader)
-    everyone = _dist.all_gather_json(records, what="snapshot files")
+    err = _attempt(lambda: records.update(store._write_rank_files(tmp, payload, group)))
+    store._agree(err, tmp, step, group, owner=layout.leader)
+    everyone = _dist.all_gather_json(records, what="snapshot files", group=group)
     err = _attempt(lambda: exchange(tmp, everyone, layout, group))
-    store._agree(err, tmp, step, owner=layout.leader)
+    store._agree(err, tmp, step, group, owner=layout.leader)
     docs: list[Any] = []
     if _dist.rank() == 0:
         files = {k: (int(v[0]), str(v[1])) for part in everyone for k, v in part.items()}
         docs = list(_manifest.build(step, payload, files, meta, _dist.world_size()))
-    state, manifest = _dist.broadcast_object(docs, what="snapshot manifest")
+    state, manifest = _dist.broadcast_object(docs, what="snapshot manifest", group=group)
     err = None
+    if before_commit is not None:  # a snapshot in the background: the training's verdict
+        err = _attempt(before_commit)  # (never renames here: several processes)
+        store._agree(err, tmp, step, group, owner=layout.leader)
     if layout.leader:
         err = _attempt(lambda: store._install(tmp, final, state, manifest))
-    store._agree(err, tmp, step, owner=layout.leader)
+    store._agree(err, tmp, step, group, owner=layout.leader)
     return final
 
 

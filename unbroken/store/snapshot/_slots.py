@@ -113,6 +113,11 @@ class Slots:
         self._pending: dict[str, int] = {}  # written for the save in progress
         self._names: set[str] = set()  # the data files this process (rank) writes
         self._stage = Stage()  # pinned host buffers for GPU tensors
+        # A snapshot taken in the background (train/_snapshots.py): the writing thread calls
+        # ``gate.copied()`` once every tensor is in the slot (the training may change them
+        # from then on), then hashes the slot; the training's verdict on the copy comes before
+        # the commit (CheckpointStore.save's ``before_commit``).
+        self.gate: Any = None
 
     def path(self, name: str, idx: int) -> str:
         return os.path.join(self.dir, f"{name}.{idx}")
@@ -135,13 +140,23 @@ class Slots:
         slot = self._slot(name, idx, pos, layout)
         view = slot.view
 
+        gate = self.gate
+
+        def digest(i: int) -> str:
+            if slot.dsts[i] is None:
+                return _EMPTY
+            start, nbytes = layout[i][0], layout[i][1]
+            return xxhash.xxh3_64_hexdigest(view[start : start + nbytes])
+
         def copy(i: int) -> str:
             dst = slot.dsts[i]
             if dst is None:
                 return _EMPTY
             dst.copy_(items[i][1])
-            start, nbytes = layout[i][0], layout[i][1]
-            return xxhash.xxh3_64_hexdigest(view[start : start + nbytes])
+            # Hashed at once, while the bytes are hot -- unless the training waits for the
+            # copy (a snapshot in the background): then the slot is hashed after the copy,
+            # while the training goes on, from memory the training does not touch.
+            return "" if gate is not None else digest(i)
 
         with _direct.one_thread():
             # The first tensor in this thread, then the event, announced once the slot is
@@ -152,6 +167,9 @@ class Slots:
             if hit is not None:
                 _fsops.event("write", slot.path)
             digests += _par.each(range(first, len(items)), copy, pos)
+            if gate is not None:
+                gate.copied()
+                digests = _par.each(range(len(items)), digest, pos)
         out = [
             (key, start, nbytes, digest)
             for (key, _), (start, nbytes, _, _), digest in zip(items, layout, digests, strict=True)
