@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -132,3 +133,26 @@ def test_background_is_said_once_and_an_unknown_copy_is_refused(
     monkeypatch.setattr(_snapshots._log, "say", lambda log, msg, *a: said.append(msg % a))
     _train(tmp_path, monkeypatch, 4, snapshot_every=1, snapshot_copy="background")
     assert len([s for s in said if "snapshot_copy='background'" in s]) == 1, said
+
+
+def test_a_committed_merge_drops_the_older_merges(tmp_path: Path) -> None:
+    """Supervisors of a job over nodes add their parts of every snapshot they hold, newest
+    first, to merges in the run directory; once one merge commits, the merges of older steps
+    (and of another snapshot of the same step) can never be needed and are removed; a newer
+    one may still complete and stays."""
+    from unbroken.store import _layout
+    from unbroken.store.snapshot._area import drop_older_parts
+
+    root = tmp_path / "checkpoints"
+    names = [
+        _layout.part_name(3, "0123456789abcdef"),
+        _layout.part_name(4, "fedcba9876543210"),
+        _layout.part_name(5, "00112233445566ff"),
+        _layout.step_name(4),
+        _layout.step_name(2),
+    ]
+    for name in names:
+        (root / name).mkdir(parents=True)
+        (root / name / "f").write_bytes(b"x")
+    assert sorted(drop_older_parts(str(root), 4)) == sorted(names[:2])
+    assert sorted(p.name for p in root.iterdir()) == sorted(names[2:])

@@ -366,7 +366,22 @@ def _merge_part(snap: CheckpointReader, run_dir: str) -> bool:
     except BaseException:
         shutil.rmtree(merge, ignore_errors=True)  # a bad copy must not complete a later merge
         raise
+    drop_older_parts(root, snap.step)
     return True
+
+
+def drop_older_parts(root: str, step: int) -> list[str]:
+    """Once the snapshot of ``step`` is committed, remove the merges of older snapshots (and of
+    another snapshot of the same step) in ``root``: a supervisor whose newest part did not
+    complete a merge adds its older parts too (one of them might), and nothing resumes from an
+    older step than a committed one. A newer merge may still complete: it stays."""
+    removed = []
+    for name in os.listdir(root):
+        t = _layout.transient(name)
+        if t is not None and t[0] == "part" and t[1] <= step:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            removed.append(name)
+    return removed
 
 
 def _commit_copy(snap: CheckpointReader, run_dir: str) -> str:
