@@ -156,3 +156,16 @@ def test_a_committed_merge_drops_the_older_merges(tmp_path: Path) -> None:
         (root / name / "f").write_bytes(b"x")
     assert sorted(drop_older_parts(str(root), 4)) == sorted(names[:2])
     assert sorted(p.name for p in root.iterdir()) == sorted(names[2:])
+
+
+def test_the_foreach_ops_unbroken_calls_are_there_and_exact() -> None:
+    """``torch._foreach_copy_`` (the snapshot's copy in the step) and ``torch._foreach_lerp_``
+    (EMA.update) are underscored torch ops: this fails loudly if a torch drops or changes them."""
+    g = torch.Generator().manual_seed(0)
+    srcs = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g).t(), torch.randn(4)[::2]]
+    dsts = [torch.empty(s.shape, dtype=s.dtype) for s in srcs]
+    torch._foreach_copy_(dsts, srcs)
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs, strict=True))
+    avg, new = [torch.zeros(3)], [torch.full((3,), 2.0)]
+    torch._foreach_lerp_(avg, new, 0.25)
+    assert torch.equal(avg[0], torch.zeros(3).lerp(torch.full((3,), 2.0), 0.25))
