@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -180,10 +181,15 @@ def test_after_a_kill_the_snapshot_kept_is_said_once(tmp_path: Path) -> None:
     proc = _cli("run", "--backoff", "0", "--", sys.executable, str(script), str(run_dir))
     assert proc.returncode == 0, proc.stderr
     live, _, report = proc.stderr.partition("unbroken run: report for")
-    said = [line for line in live.splitlines() if "in-memory snapshot of step 7" in line]
+    # Killed right after run.step() of step 7: the snapshot of step 7 is committed by the
+    # snapshot's thread while step 8 would compute, so the one kept is of step 7 or, when the
+    # kill came first, of step 6 -- at most one step lost either way.
+    kept = re.findall(r"kept the in-memory snapshot of step (\d+)", live)
+    assert len(kept) == 1 and kept[0] in ("6", "7"), live
+    said = [line for line in live.splitlines() if f"in-memory snapshot of step {kept[0]}" in line]
     assert len(said) == 1, live
-    assert "attempt 1:" in said[0] and "kept the in-memory snapshot of step 7" in said[0]
-    assert "resumed" in live and "from step 7" in live
+    assert "attempt 1:" in said[0]
+    assert "resumed" in live and f"from step {kept[0]}" in live
 
 
 def test_every_help_is_plain_text() -> None:
