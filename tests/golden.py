@@ -260,3 +260,52 @@ def trainer_state(run_dir: Path) -> dict[str, Any]:
         for key in [k for k in entry if k.endswith(("_runtime", "_per_second"))]:
             del entry[key]
     return dict(state)
+
+
+def supervise_and_kill(
+    cmd: list[str], run_dir: Path, moments: list[int], env: dict[str, str], wait: float = 180
+) -> tuple[str, list[int], int]:
+    """Start ``cmd`` (``unbroken run ... -- TRAINER``) and SIGKILL its trainer once it logged
+    each of ``moments``; the supervisor's output, the last step logged before each kill and the
+    supervisor's pid.
+
+    Each aim is past the last step the previous trainer logged: a log at or under it may be
+    that trainer's, read before its successor resumed (or even started), and a kill then would
+    find no trainer, or one still starting (no resume event)."""
+    import time
+
+    sup = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    reached: list[int] = []
+    child = None
+    try:
+        for at in moments:
+            target = max(at, reached[-1] + 2) if reached else at
+            deadline = time.monotonic() + wait
+            while True:
+                if time.monotonic() > deadline or sup.poll() is not None:
+                    raise AssertionError(f"the trainer never reached step {target}")
+                now = trainers(sup.pid)
+                steps = logged_steps(run_dir)
+                if steps and steps[-1] >= target and len(now) == 1 and now[0] != child:
+                    break  # the one trainer alive logged a step only it can have logged
+                time.sleep(0.01)
+            (child,) = now
+            os.kill(child, signal.SIGKILL)
+            while os.path.exists(f"/proc/{child}") and trainers(sup.pid) == [child]:
+                time.sleep(0.005)
+            reached.append(logged_steps(run_dir)[-1])
+        out, _ = sup.communicate(timeout=300)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+    text = out.decode(errors="replace")
+    assert sup.returncode == 0, text[-4000:]
+    return text, reached, sup.pid
+
+
+def assert_resumed_within_a_step(run_dir: Path, reached: list[int], said: str) -> None:
+    """One resume per kill, each from at most one step before the last step logged."""
+    resumes = resume_steps(run_dir)
+    assert len(resumes) == len(reached), (resumes, reached, said[-3000:])
+    for last, resumed in zip(reached, resumes, strict=True):
+        assert last - 1 <= resumed <= last, (reached, resumes)

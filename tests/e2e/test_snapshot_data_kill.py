@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.golden import ROOT, assert_identical, launch, logged_steps, resume_steps, trainers
+from tests.golden import (
+    ROOT,
+    assert_identical,
+    assert_resumed_within_a_step,
+    launch,
+    supervise_and_kill,
+)
 
 SCRIPT = ROOT / "tests" / "scripts" / "toy_train.py"
 STEPS = 20
@@ -64,36 +67,7 @@ def _kill_and_compare(tmp_path: Path, args: list[str]) -> str:
     cmd = [sys.executable, "-m", "unbroken", "run", "--max-retries", "10", "--backoff", "0"]
     cmd += ["--", sys.executable, str(SCRIPT), *args, "--run-dir", str(run)]
     cmd += ["--step-sleep", "0.05"]
-    sup = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    reached: list[int] = []
-    child = None
-    try:
-        for at in moments:
-            # Past the last step the previous trainer logged (see test_snapshot_golden.py).
-            target = max(at, reached[-1] + 2) if reached else at
-            deadline = time.monotonic() + 180
-            while True:
-                if time.monotonic() > deadline or sup.poll() is not None:
-                    raise AssertionError(f"the trainer never reached step {target}")
-                now = trainers(sup.pid)
-                steps = logged_steps(run)
-                if steps and steps[-1] >= target and len(now) == 1 and now[0] != child:
-                    break
-                time.sleep(0.01)
-            (child,) = now
-            os.kill(child, signal.SIGKILL)
-            while os.path.exists(f"/proc/{child}") and trainers(sup.pid) == [child]:
-                time.sleep(0.005)
-            reached.append(logged_steps(run)[-1])
-        out, _ = sup.communicate(timeout=300)
-    finally:
-        if sup.poll() is None:
-            sup.kill()
-    text = out.decode(errors="replace")
-    assert sup.returncode == 0, text[-4000:]
-    resumes = resume_steps(run)
-    assert len(resumes) == len(moments), (resumes, reached, text[-3000:])
-    for last, resumed in zip(reached, resumes, strict=True):
-        assert last - 1 <= resumed <= last, (reached, resumes)
+    text, reached, _ = supervise_and_kill(cmd, run, moments, env, wait=180)
+    assert_resumed_within_a_step(run, reached, text)
     assert_identical(ref, run)
     return text

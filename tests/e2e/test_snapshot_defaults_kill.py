@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.golden import ROOT, assert_identical, launch, logged_steps, resume_steps, trainers
+from tests.golden import (
+    ROOT,
+    assert_identical,
+    assert_resumed_within_a_step,
+    launch,
+    resume_steps,
+    supervise_and_kill,
+)
 
 SCRIPT = ROOT / "tests" / "scripts" / "toy_train.py"
 STEPS = 24
@@ -39,42 +43,13 @@ def test_kill_9_under_the_defaults_redoes_at_most_one_step(tmp_path: Path) -> No
     # 200 ms steps (a sleep): the time a step of real work takes, so the default interval is
     # judged against a step that a snapshot can hide in, as on a real run.
     cmd += ["--", sys.executable, str(SCRIPT), *ARGS, "--run-dir", str(run), "--step-sleep", "0.2"]
-    sup = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    reached: list[int] = []
-    child = None
-    try:
-        for at in moments:
-            # Past the last step the previous trainer logged (see test_snapshot_golden.py).
-            target = max(at, reached[-1] + 2) if reached else at
-            deadline = time.monotonic() + 180
-            while True:
-                if time.monotonic() > deadline or sup.poll() is not None:
-                    raise AssertionError(f"the trainer never reached step {target}")
-                now = trainers(sup.pid)
-                steps = logged_steps(run)
-                if steps and steps[-1] >= target and len(now) == 1 and now[0] != child:
-                    break
-                time.sleep(0.01)
-            (child,) = now
-            os.kill(child, signal.SIGKILL)
-            while os.path.exists(f"/proc/{child}") and trainers(sup.pid) == [child]:
-                time.sleep(0.005)
-            reached.append(logged_steps(run)[-1])
-        out, _ = sup.communicate(timeout=300)
-    finally:
-        if sup.poll() is None:
-            sup.kill()
-    text = out.decode(errors="replace")
-    assert sup.returncode == 0, text[-4000:]
+    text, reached, _ = supervise_and_kill(cmd, run, moments, env, wait=180)
     # The default chose a snapshot every step (said once per trainer that got that far).
     chosen = re.findall(r"in-memory snapshot every (\d+) step", text)
     assert chosen and set(chosen) == {"1"}, (chosen, text[-3000:])
     kept = [int(s) for s in re.findall(r"kept the in-memory snapshot of step (\d+)", text)]
-    resumes = resume_steps(run)
-    assert len(resumes) == len(moments), (resumes, reached, text[-3000:])
+    assert_resumed_within_a_step(run, reached, text)
     # Each relaunch resumed from a snapshot the supervisor kept (it says so twice: when it
     # keeps it and in the attempt's summary).
-    assert sorted(set(kept)) == resumes, (kept, resumes)
-    for last, resumed in zip(reached, resumes, strict=True):
-        assert last - 1 <= resumed <= last, (reached, resumes)
+    assert sorted(set(kept)) == resume_steps(run), (kept, resume_steps(run))
     assert_identical(ref, run)

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,10 +20,10 @@ import pytest
 from tests.golden import (
     ROOT,
     assert_identical,
+    assert_resumed_within_a_step,
     launch,
-    logged_steps,
     resume_steps,
-    trainers,
+    supervise_and_kill,
     tree_report,
 )
 
@@ -45,42 +43,11 @@ def test_sigkill_at_random_moments_loses_at_most_one_step(tmp_path: Path) -> Non
     cmd = [sys.executable, "-m", "unbroken", "run", "--max-retries", "10", "--backoff", "0"]
     cmd += ["--", sys.executable, str(SCRIPT), *ARGS, "--run-dir", str(run)]
     cmd += ["--step-sleep", "0.05", "--snapshot-every", "1"]
-    sup = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    reached: list[int] = []
-    child = None
-    try:
-        for at in moments:
-            # Aim past the last step the previous trainer logged: a log at or under it may be
-            # that trainer's, read before its successor resumed (or even started), and a kill
-            # then would find no trainer, or one still starting (no resume event).
-            target = max(at, reached[-1] + 2) if reached else at
-            deadline = time.monotonic() + 120
-            while True:
-                if time.monotonic() > deadline or sup.poll() is not None:
-                    raise AssertionError(f"the trainer never reached step {target}")
-                now = trainers(sup.pid)
-                steps = logged_steps(run)
-                if steps and steps[-1] >= target and len(now) == 1 and now[0] != child:
-                    break  # the one trainer alive logged a step only it can have logged
-                time.sleep(0.01)
-            (child,) = now
-            os.kill(child, signal.SIGKILL)
-            while os.path.exists(f"/proc/{child}") and trainers(sup.pid) == [child]:
-                time.sleep(0.005)
-            reached.append(logged_steps(run)[-1])
-        out, _ = sup.communicate(timeout=300)
-    finally:
-        if sup.poll() is None:
-            sup.kill()
-    text = out.decode(errors="replace")
-    assert sup.returncode == 0, text[-4000:]
-    resumes = resume_steps(run)
-    assert len(resumes) == len(moments), (resumes, reached, text[-3000:])
-    for last, resumed in zip(reached, resumes, strict=True):
-        assert last - 1 <= resumed <= last, (reached, resumes)
+    text, reached, sup_pid = supervise_and_kill(cmd, run, moments, env, wait=120)
+    assert_resumed_within_a_step(run, reached, text)
     assert_identical(ref, run)
     private = f"/dev/shm/unbroken-{os.getuid()}"
-    mine = [n for n in os.listdir(private) if n.startswith(f"sup-{sup.pid}-")]
+    mine = [n for n in os.listdir(private) if n.startswith(f"sup-{sup_pid}-")]
     assert not mine, mine  # the area and its channel are removed when the supervisor exits
 
 

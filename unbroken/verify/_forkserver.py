@@ -139,6 +139,7 @@ class ForkServer:
         self._started: list[dict[str, Any]] = []
         self._gone = False
         self._ready: bool | None = None
+        self._said_ready: bool | None = None  # what the server said once it imported
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="unbroken-forkserver", daemon=True)
         self._reader.start()
@@ -153,6 +154,11 @@ class ForkServer:
             with self._cond:
                 if "exit" in msg:
                     self._codes[int(msg["exit"])] = int(msg["code"])
+                elif "ready" in msg:
+                    # Kept apart from the forks' answers: with the server shared between
+                    # verifications (shared()), a thread still asking whether it is ready
+                    # took the answer to another thread's fork, which then waited 60 s.
+                    self._said_ready = msg["ready"] is True
                 else:
                     self._started.append(msg)
                 self._cond.notify_all()
@@ -165,8 +171,8 @@ class ForkServer:
         in ``timeout`` seconds; launches are processes then)."""
         with self._cond:
             if self._ready is None:
-                self._cond.wait_for(lambda: self._started or self._gone, timeout)
-                self._ready = bool(self._started) and self._started.pop(0).get("ready") is True
+                self._cond.wait_for(lambda: self._said_ready is not None or self._gone, timeout)
+                self._ready = self._said_ready is True
             return self._ready
 
     def spawn(
