@@ -24,13 +24,9 @@ from typing import Any
 
 import pytest
 
+from tests.ports import free_port
+
 ACCESS, SECRET = "unbroken-test", "unbroken-test-secret"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_port(port: int, proc: subprocess.Popen | None, timeout: float = 30) -> None:

@@ -5,19 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
 import time
 from pathlib import Path
 
 from tests import forks
 from tests.golden import ROOT
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.ports import free_port
 
 
 def launch(
@@ -49,6 +42,7 @@ def launch(
             names[1]: str(rank),
             names[2]: str(world),
             "OMP_NUM_THREADS": "1",
+            "PYTHONFAULTHANDLER": "1",  # a hang's stacks (Launch.abort)
         }
         procs.append(forks.start(script, args, env))
     deadline = time.monotonic() + timeout
@@ -56,10 +50,14 @@ def launch(
     for p in procs:
         try:
             code, _, err = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"ranks hung past {timeout}s: {args}") from None
+        except forks.Hung as e:
+            # this rank and those after it still run (those before it ended and were read)
+            k = procs.index(p)
+            stacks = [f"rank {k}: {e.text[-6000:]}"]
+            stacks += [f"rank {i}: {q.abort()[-6000:]}" for i, q in enumerate(procs) if i > k]
+            raise AssertionError(
+                f"ranks hung past {timeout}s: {args}\n" + "\n----\n".join(stacks)
+            ) from None
         codes.append(code)
         outputs.append(err)
     if any(c not in allowed for c in codes):

@@ -20,6 +20,7 @@ imported it too (``preloads``), one per rank, as Lightning reads the rank when i
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import signal
@@ -30,6 +31,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from unbroken.verify._forkserver import ForkedProcess, ForkServer, preloads
 
@@ -77,6 +79,14 @@ def _close() -> None:
     shutil.rmtree(_logs, ignore_errors=True)
 
 
+class Hung(subprocess.TimeoutExpired):
+    """A launch past its time; ``text``: what it wrote, its stacks at the end."""
+
+    def __init__(self, cmd: Any, timeout: float, text: str) -> None:
+        super().__init__(cmd, timeout)
+        self.text = text
+
+
 @dataclass
 class Launch:
     """One started launch: ``wait`` returns its exit code (negative: the signal that ended it)
@@ -90,19 +100,39 @@ class Launch:
         return int(self.proc.pid)
 
     def wait(self, timeout: float) -> tuple[int, str, str]:
+        """Its exit code and output; past ``timeout`` it is aborted (every thread's stack
+        written to its stderr where it runs with ``PYTHONFAULTHANDLER``), killed, and
+        :class:`Hung` carries what it wrote: a hang is shown where it hangs."""
         try:
             if isinstance(self.proc, subprocess.Popen):
                 out, err = self.proc.communicate(timeout=timeout)
                 return int(self.proc.returncode), out, err
             code = int(self.proc.wait(timeout=timeout))
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise
+        except subprocess.TimeoutExpired as e:
+            raise Hung(e.cmd, timeout, self.abort()) from None
+        return code, "", self._read_log()
+
+    def _read_log(self) -> str:
         assert self.log is not None  # a forked launch writes both streams to its log
         with open(self.log, errors="replace") as f:
             text = f.read()
         os.unlink(self.log)
-        return code, "", text
+        return text
+
+    def abort(self, grace: float = 15.0) -> str:
+        """SIGABRT (the stacks, through faulthandler), then SIGKILL; what it wrote."""
+        with contextlib.suppress(OSError):
+            os.kill(self.pid, signal.SIGABRT)
+        try:
+            if isinstance(self.proc, subprocess.Popen):
+                return self.proc.communicate(timeout=grace)[1] or ""
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            if isinstance(self.proc, subprocess.Popen):
+                return self.proc.communicate()[1] or ""
+        self.kill()  # what it left in its session
+        return self._read_log()
 
     def kill(self) -> None:
         try:

@@ -32,11 +32,11 @@ VOLATILE = {("counters", "train_seconds"), ("counters", "metrics_offset")}
 def launch(script: str | Path, args: list[str], timeout: float = 180) -> int:
     """Run ``python SCRIPT ARGS`` to its end (forked from a pre-imported interpreter:
     tests/forks.py) and return its exit code; any code but 0, 75 or a SIGKILL fails the test."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"}
     try:
         code, out, err = forks.start(script, args, env).wait(timeout)
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"{script} {args} ran past {timeout}s") from None
+    except forks.Hung as e:  # with its stacks (faulthandler)
+        raise AssertionError(f"{script} {args} ran past {timeout}s\n{e.text[-6000:]}") from None
     if code not in (0, EXIT_RESUMABLE, -signal.SIGKILL):
         raise AssertionError(f"{script} {args} exited {code}\n{out[-3000:]}{err[-5000:]}")
     return code

@@ -31,6 +31,7 @@ Protocol: JSON lines. To the server (stdin): ``{"argv", "env", "cwd", "log", "ta
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import re
@@ -297,6 +298,8 @@ def _child(req: dict[str, Any], out: IO[bytes]) -> None:
         os.close(null)
         os.environ.clear()
         os.environ.update(req["env"])
+        if os.environ.get("PYTHONFAULTHANDLER"):
+            faulthandler.enable()  # what a new interpreter does with it
         os.chdir(req["cwd"])
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
