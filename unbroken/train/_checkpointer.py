@@ -140,6 +140,12 @@ class Checkpointer:
         self.snapshots.settle()
         return time.perf_counter() - t0
 
+    @property
+    def snapshots_idle(self) -> bool:
+        """No in-memory snapshot to take or wait for: ``snapshot_committed`` and
+        ``after_step`` would do nothing (a step without snapshots skips them)."""
+        return self.snapshots is None or self.snapshots.idle
+
     def snapshot_committed(self) -> float:
         """Wait for the in-memory snapshot in flight to commit; the seconds waited."""
         if self.snapshots is None:

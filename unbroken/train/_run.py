@@ -198,20 +198,31 @@ class Run:
 
         Returns True when the loop should end (complete, or stopped with ``exit_on_stop=False``).
         """
-        c = self.counters
-        self._checkpointer.check()  # a background save that failed is raised at the next step
+        c, cfg, ckpt = self.counters, self.config, self._checkpointer
+        ckpt.check()  # a background save that failed is raised at the next step
         # The previous step's in-memory snapshot committed before this step is logged: a step
-        # the log shows is never more than one step past the newest snapshot.
-        self._pace.exclude(self._checkpointer.snapshot_committed())
-        dt = self._pace.tick()
+        # the log shows is never more than one step past the newest snapshot. (Nothing to wait
+        # for without snapshots: the common step skips the call.)
+        if not ckpt.snapshots_idle:
+            self._pace.exclude(ckpt.snapshot_committed())
         c.step += 1
-        c.train_seconds += dt
-        marks = self._loader_marks()
-        self._repeated.check(c.step, bool(self._loaders()), marks[0], self._marks[0])
+        c.train_seconds += self._pace.tick()
+        loaders = self._loaders()
+        marks = (loaders[0].yielded_batches, loaders[0].yielded_samples) if loaders else (0, 0)
+        if marks[0] == self._marks[0]:  # (only then can it warn)
+            self._repeated.check(c.step, bool(loaders), marks[0], self._marks[0])
         c.samples += marks[1] - self._marks[1]
         self._marks = marks
-        clock = self._clock()
-        seen = _triggers.observe(self.config, clock, self._stop.requested)
+        signalled = self._stop.signum is not None
+        # The clock is read only when something looks at it: a time budget, timed saves, the
+        # progress bar. Without those, observe() sees the signal alone.
+        timed = self._deadline is not None or cfg.save_every_minutes is not None
+        clock = self._clock() if timed or self._progress is not None else None
+        if timed:
+            assert clock is not None
+            seen = _triggers.observe(cfg, clock, signalled)
+        else:
+            seen = _triggers.SIGNALLED if signalled else _triggers.NOTHING
         seen, loss = self._agree(seen, loss)
         record: dict[str, Any] = {"step": c.step, "epoch": c.epoch}
         if loss is not None:
@@ -220,17 +231,21 @@ class Run:
             record.update(_held(scalars))
         self._events.log_step(record)
         if self._progress is not None:
-            self._progress.update(
-                c.step, loss, _triggers.next_save_text(self.config, c.step, clock)
+            assert clock is not None
+            self._progress.update(c.step, loss, _triggers.next_save_text(cfg, c.step, clock))
+        m = cfg.max_steps
+        complete = c.complete or (m is not None and c.step >= m)  # self.done
+        if complete or self._epoch_save_pending or seen is not _triggers.NOTHING:
+            decision = _triggers.decide(
+                cfg,
+                c.step,
+                seen,
+                complete=complete,
+                epoch_save_pending=self._epoch_save_pending,
+                signal_name=self._stop.name,
             )
-        decision = _triggers.decide(
-            self.config,
-            c.step,
-            seen,
-            complete=self.done,
-            epoch_save_pending=self._epoch_save_pending,
-            signal_name=self._stop.name,
-        )
+        else:  # what decide() returns then: a save only if save_every says so
+            decision = _triggers.SAVE if _triggers.step_due(cfg, c.step) else _triggers.GO_ON
         self._epoch_save_pending = False
         stop = decision.stop
         if decision.final:
@@ -241,11 +256,9 @@ class Run:
         if decision.save:
             # A stop's checkpoint must be committed before the process exits.
             self.save(blocking=stop is not None)
-        else:
+        elif not ckpt.snapshots_idle:
             self._pace.exclude(
-                self._checkpointer.after_step(
-                    c.step, False, self._snapshot_state, self._pace.estimate
-                )
+                ckpt.after_step(c.step, False, self._snapshot_state, self._pace.estimate)
             )
         if stop is not None:
             return self._halt(stop)
@@ -281,6 +294,11 @@ class Run:
         a device that is only logged, a new one-element tensor that the metrics log reads when
         it writes the line (``.item()`` now would wait for the device every step). Read now
         when shown, averaged over ranks, or on the CPU (nothing to wait for)."""
+        if type(loss) is torch.Tensor and loss.dtype is torch.float32 and loss.is_cpu:
+            # The common case, read at once: .detach().float() of a float32 tensor is the
+            # same values (a view; float() returns it as it is), so .item() gives the same
+            # float, bit for bit, without the two new tensors.
+            return (loss if loss.numel() == 1 else loss.detach().mean()).item()
         t = loss.detach().float()
         if self._progress is not None or self.world_size > 1 or t.device.type == "cpu":
             return (t if t.numel() == 1 else t.mean()).item()

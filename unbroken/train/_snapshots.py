@@ -278,6 +278,12 @@ class Snapshots:
     def active(self) -> bool:
         return self.area is not None
 
+    @property
+    def idle(self) -> bool:
+        """No area and no snapshot in flight: ``committed``, ``settle`` and ``after_step`` do
+        nothing (an area is only made at the start; a job only with an area)."""
+        return self.area is None and self._job is None
+
     def after_step(
         self, step: int, saved: bool, collect: Collect, step_seconds: float | None
     ) -> float:

@@ -40,6 +40,12 @@ class Seen:
     minutes_due: bool = False
 
 
+NOTHING = Seen()
+"""What :func:`observe` sees without a time budget, timed saves or a signal."""
+SIGNALLED = Seen(signalled=True)
+"""What it sees then with a signal."""
+
+
 @dataclass(frozen=True)
 class Decision:
     save: bool = False
@@ -47,6 +53,16 @@ class Decision:
     """This step completes the run (``max_steps``): the save is the final checkpoint."""
     stop: str | None = None
     """Why the run stops after saving (a signal, the time limit); None: it goes on."""
+
+
+SAVE = Decision(save=True)
+GO_ON = Decision()
+
+
+def step_due(config: RunConfig, step: int) -> bool:
+    """``save_every`` asks for a save at this step."""
+    every = config.save_every
+    return bool(every and step % every == 0)
 
 
 def observe(config: RunConfig, clock: Clock, signalled: bool) -> Seen:
@@ -77,9 +93,8 @@ def decide(
         stop = f"signal {signal_name or 'on another rank'}"
     elif seen.out_of_time:
         stop = "time limit"
-    every = config.save_every
     save = stop is not None or seen.minutes_due or epoch_save_pending
-    save = save or bool(every and step % every == 0)
+    save = save or step_due(config, step)
     final = complete and config.save_final
     if final:
         stop = None  # the final save ends the run: exit 0, whatever signals came
