@@ -73,6 +73,14 @@ def _records() -> list[dict[str, Any]]:
         {"step": 4, "np": np.float32(0.1), "np64": np.float64(-0.0), "ni": np.int64(2**40)},
         {"step": 5, "flag": np.bool_(True), "arr": np.array([1.5, 2.5]).tolist()},
         {"step": 6, 7: "int key", 1.5: "float key", True: "bool key", None: "none key"},
+        # run.step()'s shape (spelled by an f-string) and its near misses (the encoder)
+        {"step": True, "epoch": 0, "loss": 0.5},
+        {"step": 2**70, "epoch": -3, "loss": -1e-300},
+        {"step": 1, "epoch": 0.0, "loss": 0.5},
+        {"step": 1, "epoch": 0, "loss": 1},
+        {"epoch": 0, "step": 1, "loss": 0.5},
+        {"step": 1, "epoch": 0, "lost": 0.5},
+        {"step": 1, "epoch": 0, "loss": np.float64(0.1)},
     ]
     return recs
 
@@ -104,7 +112,8 @@ def test_random_floats_and_ints_byte_for_byte() -> None:
     floats = [struct.unpack("<d", int(b).to_bytes(8, "little"))[0] for b in bits]
     floats += [float(np.float32(f)) for f in rng.standard_normal(1000)]
     ints = [int(i) for i in rng.integers(-(2**62), 2**62, size=500)]
-    recs = [{"step": i, "loss": f} for i, f in enumerate(floats)]
+    recs = [{"step": i, "epoch": i % 7, "loss": f} for i, f in enumerate(floats)]
+    recs += [{"step": i, "loss": f} for i, f in enumerate(floats[:100])]
     recs += [{"step": i, "n": n} for i, n in enumerate(ints)]
     assert _metrics.lines([dict(r) for r in recs]) == _old([dict(r) for r in recs])
 

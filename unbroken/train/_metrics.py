@@ -218,6 +218,9 @@ _SIMPLE = frozenset({int, float, str, bool, type(None)})
 """Types whose values :func:`plain` returns as they are (none has ``item``)."""
 
 
+_STEP_KEYS = ("step", "epoch", "loss")
+
+
 def lines(records: list[dict[str, Any]]) -> list[str]:
     """Each record as ``json.dumps({k: plain(v) ...}, allow_nan=True)`` and a newline, byte
     for byte, at a fraction of the cost: ``json.dumps`` builds its C encoder anew for every
@@ -225,12 +228,25 @@ def lines(records: list[dict[str, Any]]) -> list[str]:
     ``json.dumps`` builds it, encodes a whole flush (its circular-reference markers are empty
     again after each record it encodes). Records of plain values (the step records) are not
     copied; only the others go through :func:`plain` and have their device tensors read."""
-    encode, simple = _encoder(), _SIMPLE
+    encode, simple, keys, text = _encoder(), _SIMPLE, _STEP_KEYS, float.__repr__
     plains = [all(type(v) in simple for v in r.values()) for r in records]
     if not all(plains):
         _read_tensors([r for r, p in zip(records, plains, strict=True) if not p])
     out = []
     for r, p in zip(records, plains, strict=True):
+        if p and len(r) == 3 and tuple(r) == keys:
+            # run.step()'s record, spelled as the encoder spells it: an int as int.__repr__
+            # (what str() of an int is), a finite float as float.__repr__ (x - x is 0.0 for
+            # exactly those; NaN and the infinities go to the encoder).
+            step, epoch, loss = r.values()
+            if (
+                type(step) is int
+                and type(epoch) is int
+                and type(loss) is float
+                and loss - loss == 0.0
+            ):
+                out.append(f'{{"step": {step}, "epoch": {epoch}, "loss": {text(loss)}}}\n')
+                continue
         if not p:
             r = {k: plain(v) for k, v in r.items()}
         out.append(("".join(encode(r, 0)) if encode else json.dumps(r, allow_nan=True)) + "\n")

@@ -54,6 +54,8 @@ from ._resume import Resumer
 from ._staging import ModelSwap
 from ._stopping import RepeatedStep, at_open, check_epoch, fetch_hook, honour
 
+_TENSOR, _FLOAT32 = torch.Tensor, torch.float32
+
 
 class Run:
     """Track the components of a training run; resume them exactly; save them safely.
@@ -174,6 +176,9 @@ class Run:
         self._marks = self._loader_marks()
         self._epoch_save_pending = False
         self._pace = _triggers.Pace()
+        # No snapshot area now: none later either (one is only made at the start), and no
+        # snapshot in flight ever (one is only taken in an area).
+        self._no_snapshots = self._checkpointer.snapshots_idle
         # The budget is the process's: counted from its start, imports and resume included.
         self._deadline = deadline(process_start(), cfg)
         self._repeated = RepeatedStep()
@@ -201,9 +206,10 @@ class Run:
         c, cfg, ckpt = self.counters, self.config, self._checkpointer
         ckpt.check()  # a background save that failed is raised at the next step
         # The previous step's in-memory snapshot committed before this step is logged: a step
-        # the log shows is never more than one step past the newest snapshot. (Nothing to wait
-        # for without snapshots: the common step skips the call.)
-        if not ckpt.snapshots_idle:
+        # the log shows is never more than one step past the newest snapshot. (Without
+        # snapshots there is nothing to wait for, now or later: the step skips the calls.)
+        snapshots = not self._no_snapshots
+        if snapshots:
             self._pace.exclude(ckpt.snapshot_committed())
         c.step += 1
         c.train_seconds += self._pace.tick()
@@ -223,13 +229,23 @@ class Run:
             seen = _triggers.observe(cfg, clock, signalled)
         else:
             seen = _triggers.SIGNALLED if signalled else _triggers.NOTHING
-        seen, loss = self._agree(seen, loss)
+        if type(loss) is _TENSOR and loss.dtype is _FLOAT32 and loss.is_cpu:
+            # The common loss, read at once: .detach().float() of a float32 tensor holds the
+            # same values (float() returns it as it is), so .item() gives the same float, bit
+            # for bit, without the two new tensors (_loss_value's other cases).
+            loss = loss.item() if loss.numel() == 1 else loss.detach().mean().item()
+        elif isinstance(loss, torch.Tensor):
+            loss = self._loss_value(loss)
+        if self.world_size > 1:
+            seen, loss = self._agree(seen, loss)
         record: dict[str, Any] = {"step": c.step, "epoch": c.epoch}
         if loss is not None:
             record["loss"] = loss
         if scalars:
             record.update(_held(scalars))
-        self._events.log_step(record)
+        metrics = self._events.metrics  # (Events.log_step, without the call)
+        if metrics is not None:
+            metrics.step(record)
         if self._progress is not None:
             assert clock is not None
             self._progress.update(c.step, loss, _triggers.next_save_text(cfg, c.step, clock))
@@ -256,13 +272,13 @@ class Run:
         if decision.save:
             # A stop's checkpoint must be committed before the process exits.
             self.save(blocking=stop is not None)
-        elif not ckpt.snapshots_idle:
+        elif snapshots:
             self._pace.exclude(
                 ckpt.after_step(c.step, False, self._snapshot_state, self._pace.estimate)
             )
         if stop is not None:
             return self._halt(stop)
-        return self.done
+        return c.complete or (m is not None and c.step >= m)  # self.done
 
     def _clock(self) -> _triggers.Clock:
         return _triggers.Clock(
@@ -274,14 +290,13 @@ class Run:
         )
 
     def _agree(self, seen: _triggers.Seen, loss: Any) -> tuple[_triggers.Seen, Any]:
-        """The triggers' flags and the logged loss, agreed on by every rank.
+        """The triggers' flags and the logged loss (a number: :meth:`_loss_value`), agreed on
+        by every rank.
 
         Each rank may see a signal or a clock the others do not; one all-reduce makes every
         rank stop and save at the same step (no rank left waiting in a collective). The logged
         loss is the mean over ranks.
         """
-        if isinstance(loss, torch.Tensor):
-            loss = self._loss_value(loss)
         if self.world_size == 1:
             return seen, loss
         flags = [float(seen.signalled), float(seen.out_of_time), float(seen.minutes_due)]
@@ -294,11 +309,6 @@ class Run:
         a device that is only logged, a new one-element tensor that the metrics log reads when
         it writes the line (``.item()`` now would wait for the device every step). Read now
         when shown, averaged over ranks, or on the CPU (nothing to wait for)."""
-        if type(loss) is torch.Tensor and loss.dtype is torch.float32 and loss.is_cpu:
-            # The common case, read at once: .detach().float() of a float32 tensor is the
-            # same values (a view; float() returns it as it is), so .item() gives the same
-            # float, bit for bit, without the two new tensors.
-            return (loss if loss.numel() == 1 else loss.detach().mean()).item()
         t = loss.detach().float()
         if self._progress is not None or self.world_size > 1 or t.device.type == "cpu":
             return (t if t.numel() == 1 else t.mean()).item()
