@@ -213,7 +213,8 @@ class Run:
             self._pace.exclude(ckpt.snapshot_committed())
         c.step += 1
         c.train_seconds += self._pace.tick()
-        loaders = self._loaders()
+        found = self._found_loaders  # (self._loaders(), without the call)
+        loaders = found[1] if found[0] == self.registry.version else self._loaders()
         marks = (loaders[0].yielded_batches, loaders[0].yielded_samples) if loaders else (0, 0)
         if marks[0] == self._marks[0]:  # (only then can it warn)
             self._repeated.check(c.step, bool(loaders), marks[0], self._marks[0])
@@ -260,8 +261,9 @@ class Run:
                 epoch_save_pending=self._epoch_save_pending,
                 signal_name=self._stop.name,
             )
-        else:  # what decide() returns then: a save only if save_every says so
-            decision = _triggers.SAVE if _triggers.step_due(cfg, c.step) else _triggers.GO_ON
+        else:  # what decide() returns then: a save only if save_every says so (step_due)
+            every = cfg.save_every
+            decision = _triggers.SAVE if every and c.step % every == 0 else _triggers.GO_ON
         self._epoch_save_pending = False
         stop = decision.stop
         if decision.final:
