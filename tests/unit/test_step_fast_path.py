@@ -251,5 +251,22 @@ def test_the_fast_path_skips_the_clock_only_without_timed_triggers(tmp_path: Pat
     assert calls == 1
 
 
+def test_a_background_saver_is_still_checked_every_step(tmp_path: Path, monkeypatch) -> None:
+    model = torch.nn.Linear(2, 1)
+    quiet = unbroken.Run(tmp_path / "a", model=model, progress=False, save_final=False)
+    assert not quiet._background
+    quiet.close()
+    run = unbroken.Run(
+        tmp_path / "b", model=model, progress=False, save_final=False, async_save=True
+    )
+    assert run._background
+    calls: list[int] = []
+    monkeypatch.setattr(run._checkpointer, "check", lambda: calls.append(run.counters.step))
+    run.step()
+    run.step()
+    run.close()
+    assert calls == [0, 1]  # before each step is counted: a failed save is raised there
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -176,9 +176,10 @@ class Run:
         self._marks = self._loader_marks()
         self._epoch_save_pending = False
         self._pace = _triggers.Pace()
-        # No snapshot area now: none later either (one is only made at the start), and no
-        # snapshot in flight ever (one is only taken in an area).
-        self._no_snapshots = self._checkpointer.snapshots_idle
+        # A background saver (async_save) or in-memory snapshots: both are set up by now and
+        # never later (a snapshot is only taken in an area, which is only made at the start).
+        ckpt = self._checkpointer
+        self._background = ckpt.background is not None or not ckpt.snapshots_idle
         # The budget is the process's: counted from its start, imports and resume included.
         self._deadline = deadline(process_start(), cfg)
         self._repeated = RepeatedStep()
@@ -204,13 +205,16 @@ class Run:
         Returns True when the loop should end (complete, or stopped with ``exit_on_stop=False``).
         """
         c, cfg, ckpt = self.counters, self.config, self._checkpointer
-        ckpt.check()  # a background save that failed is raised at the next step
-        # The previous step's in-memory snapshot committed before this step is logged: a step
-        # the log shows is never more than one step past the newest snapshot. (Without
-        # snapshots there is nothing to wait for, now or later: the step skips the calls.)
-        snapshots = not self._no_snapshots
-        if snapshots:
-            self._pace.exclude(ckpt.snapshot_committed())
+        # Without a background saver or snapshots (fixed at the start) there is nothing to
+        # raise or wait for, now or later: the step skips these calls.
+        snapshots = False
+        if self._background:
+            ckpt.check()  # a background save that failed is raised at the next step
+            # The previous step's in-memory snapshot committed before this step is logged: a
+            # step the log shows is never more than one step past the newest snapshot.
+            snapshots = not ckpt.snapshots_idle
+            if snapshots:
+                self._pace.exclude(ckpt.snapshot_committed())
         c.step += 1
         c.train_seconds += self._pace.tick()
         found = self._found_loaders  # (self._loaders(), without the call)

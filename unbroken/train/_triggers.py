@@ -127,6 +127,8 @@ class Pace:
     """How long steps take: the wall time since the previous step ended, minus saves and
     snapshots (:meth:`exclude`), and a cautious estimate of the next (a decaying maximum)."""
 
+    __slots__ = ("estimate", "last")
+
     def __init__(self) -> None:
         self.last = time.perf_counter()
         self.estimate: float | None = None
