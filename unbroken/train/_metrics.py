@@ -223,18 +223,17 @@ _STEP_KEYS = ("step", "epoch", "loss")
 
 def lines(records: list[dict[str, Any]]) -> list[str]:
     """Each record as ``json.dumps({k: plain(v) ...}, allow_nan=True)`` and a newline, byte
-    for byte, at a fraction of the cost: ``json.dumps`` builds its C encoder anew for every
-    record (most of its time for a step's three numbers); here one encoder, built as
-    ``json.dumps`` builds it, encodes a whole flush (its circular-reference markers are empty
-    again after each record it encodes). Records of plain values (the step records) are not
-    copied; only the others go through :func:`plain` and have their device tensors read."""
-    encode, simple, keys, text = _encoder(), _SIMPLE, _STEP_KEYS, float.__repr__
-    plains = [all(type(v) in simple for v in r.values()) for r in records]
-    if not all(plains):
-        _read_tensors([r for r, p in zip(records, plains, strict=True) if not p])
-    out = []
-    for r, p in zip(records, plains, strict=True):
-        if p and len(r) == 3 and tuple(r) == keys:
+    for byte, at a fraction of the cost. ``run.step()``'s own record (an int step and epoch, a
+    finite float loss) is spelled by an f-string, as the encoder spells it. The others: one C
+    encoder, built as ``json.dumps`` builds it for every record (most of its time for a step's
+    three numbers), encodes them all (its circular-reference markers are empty again after each
+    record it encodes); records of plain values are not copied, the others go through
+    :func:`plain` and have their device tensors read first (tests/unit/test_step_fast_path.py
+    holds the two to ``json.dumps``)."""
+    keys, text, simple = _STEP_KEYS, float.__repr__, _SIMPLE
+    out: list[Any] = []
+    for r in records:
+        if len(r) == 3 and tuple(r) == keys:
             # run.step()'s record, spelled as the encoder spells it: an int as int.__repr__
             # (what str() of an int is), a finite float as float.__repr__ (x - x is 0.0 for
             # exactly those; NaN and the infinities go to the encoder).
@@ -247,9 +246,19 @@ def lines(records: list[dict[str, Any]]) -> list[str]:
             ):
                 out.append(f'{{"step": {step}, "epoch": {epoch}, "loss": {text(loss)}}}\n')
                 continue
-        if not p:
+        out.append(r)  # the encoder's, below
+    rest = [i for i, r in enumerate(out) if not isinstance(r, str)]
+    if not rest:
+        return out
+    mixed = [out[i] for i in rest if not all(type(v) in simple for v in out[i].values())]
+    if mixed:
+        _read_tensors(mixed)
+    encode = _encoder()
+    for i in rest:
+        r = out[i]
+        if not all(type(v) in simple for v in r.values()):
             r = {k: plain(v) for k, v in r.items()}
-        out.append(("".join(encode(r, 0)) if encode else json.dumps(r, allow_nan=True)) + "\n")
+        out[i] = ("".join(encode(r, 0)) if encode else json.dumps(r, allow_nan=True)) + "\n"
     return out
 
 
