@@ -86,6 +86,7 @@ class Run:
         self.dir = os.path.abspath(os.fspath(run_dir))
         self.rank, self.world_size = _dist.rank(), _dist.world_size()
         _dist.clean_exit()  # several ranks: exit with our status, never the backend's abort
+        _dist.start_liveness()  # a dead peer ends unbroken's waits for it (_dist._Liveness)
         self.counters = Counters(stage=cfg.stage)
         self.registry = track(kwargs, self.counters, cfg, self.rank, self.world_size)
         self._found_loaders: tuple[int, list[Any]] = (-1, [])
