@@ -139,7 +139,9 @@ def _look(what: str, look: float) -> float:
             "Relaunch: every rank resumes from the last checkpoint",
             missing=dead or None,
         )
-    return time.monotonic() + BEAT
+    # Every waiting rank reads every rank's key: past 64 ranks, less often, so that a
+    # thousand ranks waiting on a slow one send the store ~64 thousand reads a second at most.
+    return time.monotonic() + BEAT * max(1, _liveness.world // 64)
 
 
 _blocking_wait: bool | None = None  # None: try wait(timeout) first (gloo); False: poll only
