@@ -38,9 +38,9 @@ def _start(mode: str, where: Path) -> list[forks.Launch]:
     ]
 
 
-def _finish(ranks: list[forks.Launch]) -> tuple[list[int], str]:
+def _finish(ranks: list[forks.Launch], waiter: int = 0) -> tuple[list[int], str]:
     results = [r.wait(timeout=120) for r in ranks]
-    return [code for code, _, _ in results], results[0][2]
+    return [code for code, _, _ in results], results[waiter][2]
 
 
 def test_a_dead_peer_ends_the_wait_of_a_rank_waiting_for_a_live_one(tmp_path: Path) -> None:
@@ -50,6 +50,16 @@ def test_a_dead_peer_ends_the_wait_of_a_rank_waiting_for_a_live_one(tmp_path: Pa
     assert "missing [2]" in rank0, rank0
     seconds = float(rank0.split("raised after ")[1].split(" s")[0])
     assert seconds < 20, rank0  # judged after ~2 s of beats; without them: the 60 s timeout
+
+
+def test_when_the_rank_holding_the_store_dies_the_wait_ends(tmp_path: Path) -> None:
+    """Node 0 lost: the store it held cannot be read, which ends the wait of a rank waiting
+    for a live rank stuck elsewhere."""
+    codes, rank1 = _finish(_start("host", tmp_path), waiter=1)
+    assert codes == [-signal.SIGKILL, 3, 0], rank1
+    assert "rendezvous store cannot be read" in rank1, rank1
+    seconds = float(rank1.split("raised after ")[1].split(" s")[0])
+    assert seconds < 20, rank1
 
 
 def test_a_slow_rank_is_waited_for(tmp_path: Path) -> None:

@@ -1,15 +1,18 @@
-"""Three gloo ranks for tests/process/test_liveness.py: rank 0 waits in one of unbroken's
-collectives on a group of ranks 0 and 1 (as a survivor waits for the other survivor) while
+"""Three gloo ranks for tests/process/test_liveness.py: a waiting rank waits in one of
+unbroken's collectives on a group of two ranks (as a survivor waits for the other survivor)
+while
 
-- ``dead``: rank 2 is SIGKILLed and rank 1, alive, never joins (stuck elsewhere);
-- ``slow``: rank 1 joins only after many of rank 0's beats (slow, not dead);
-- ``suspend``: rank 1 joins after 2 s, while the test stops every rank for a while (SIGSTOP,
-  then SIGCONT, as a scheduler suspends a job).
+- ``dead``: rank 0 waits; rank 2 is SIGKILLed and rank 1, alive, never joins (stuck elsewhere);
+- ``host``: rank 1 waits; rank 0, which holds the job's rendezvous store, is SIGKILLed and
+  rank 2, alive, never joins (node 0 lost);
+- ``slow``: rank 0 waits; rank 1 joins only after many of rank 0's beats (slow, not dead);
+- ``suspend``: rank 0 waits; rank 1 joins after 2 s, while the test stops every rank for a
+  while (SIGSTOP, then SIGCONT, as a scheduler suspends a job).
 
     python tests/scripts/liveness.py MODE DIR
 
-Rank 0 writes DIR/waiting as it starts to wait and exits 0 when the collective completes, 3
-with the error's text on stderr when it raises; the others wait for DIR/done.
+The waiting rank writes DIR/waiting as it starts to wait and exits 0 when the collective
+completes, 3 with the error's text on stderr when it raises; the others wait for DIR/done.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ _dist.BEAT, _dist.STALE_BEATS, _dist.FIRST_LOOK = 0.25, 8, 0.5  # judged after ~
 _dist.set_timeout(60)
 dist.init_process_group("gloo")
 _dist.start_liveness()
-pair = dist.new_group([0, 1])
+waiter, other, victim = (1, 2, 0) if mode == "host" else (0, 1, 2)
+pair = dist.new_group(sorted([waiter, other]))
 _dist.barrier(what="start")
 me = dist.get_rank()
 
@@ -39,7 +43,7 @@ def wait_for_done() -> None:
         time.sleep(0.05)
 
 
-if me == 0:
+if me == waiter:
     open(os.path.join(where, "waiting"), "w").close()
     t0 = time.monotonic()
     try:
@@ -47,23 +51,23 @@ if me == 0:
         print(f"completed after {time.monotonic() - t0:.1f} s", file=sys.stderr)
         code = 0
     except CollectiveTimeoutError as e:
-        print(
-            f"raised after {time.monotonic() - t0:.1f} s, missing {e.missing}: {e}", file=sys.stderr
-        )
+        took = time.monotonic() - t0
+        print(f"raised after {took:.1f} s, missing {e.missing}: {e}", file=sys.stderr)
         code = 3
     open(os.path.join(where, "done"), "w").close()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # gloo's teardown with a dead peer is not what is tested
-elif me == 1:
-    if mode == "dead":
+elif me == other:
+    if mode in ("dead", "host"):
         wait_for_done()  # alive, beating, never in the pair's collective
     else:
         time.sleep(6 if mode == "slow" else 2)  # 24 of rank 0's beats when slow
         _dist.any_true(False, pair, what="commit verdict")
         wait_for_done()
 else:
-    if mode == "dead":
+    if mode in ("dead", "host"):
+        time.sleep(0.5)  # the waiter has started to wait
         os.kill(os.getpid(), signal.SIGKILL)
     wait_for_done()
 os._exit(0)
