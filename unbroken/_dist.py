@@ -22,6 +22,7 @@ starting slowly), and an unreachable store means the rank or agent that held it 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import itertools
 import json
@@ -50,6 +51,8 @@ BEAT = 1.0
 """Seconds between two beats of a rank (:class:`_Liveness`)."""
 STALE_BEATS = 15
 """A rank is dead when its counter stood still over this many beats of the waiting rank."""
+WATCHDOG_BEATS = 30
+"""Beats without a ``run.step()`` after which a dead rank ends this process (_Liveness)."""
 FIRST_LOOK = 5.0
 """Seconds a collective may take before the waiting rank first looks at the others' beats."""
 _report_dir: str | None = None
@@ -178,14 +181,24 @@ def _who_is_missing(tag: str) -> list[int] | None:
 class _Liveness:
     """This rank's beats and its reading of the others' (see the module's docstring), through
     the job's rendezvous store (``MASTER_ADDR``/``MASTER_PORT``: the store rank 0 or
-    torchrun's agent holds), under keys of this launch."""
+    torchrun's agent holds), under keys of this launch.
+
+    While a Run trains (:func:`watch`), the beating thread is also a watchdog for the
+    collectives that are not unbroken's (DDP's, FSDP's, the script's own): when the training
+    thread has not reached ``run.step()`` for :data:`WATCHDOG_BEATS` beats and a rank is dead,
+    nothing this process waits for can complete (gloo would wait its 30-minute timeout, NCCL
+    its own), so it says which rank and ends the process (exit 1), for the job to be relaunched
+    from the newest snapshot or checkpoint."""
 
     def __init__(self, store: Any, prefix: str, me: int, world: int) -> None:
         self.keys = [f"{prefix}/{r}" for r in range(world)]
-        self.me, self.world = me, world
+        self.me, self.world, self.pid = me, world, os.getpid()
         self.beats = 0  # this rank's own, counted here (what staleness is measured in)
         self.seen: dict[int, tuple[int, int]] = {}  # rank -> (its counter, my beats then)
         self.unread = 0  # looks in a row that could not read the store
+        self.watching = False
+        self.stepped_at = 0  # this rank's beats at its last run.step()
+        self._lock = threading.Lock()  # dead() is called by the waits and by the watchdog
         self._beat_store, self._read_store = store, store.clone()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="unbroken-beat", daemon=True)
@@ -193,38 +206,70 @@ class _Liveness:
         self._thread.start()
 
     def _run(self) -> None:
+        spacing = max(1, self.world // 64)
         while not self._stop.wait(BEAT):
             try:
                 self._beat_store.add(self.keys[self.me], 1)
-            except Exception:  # the store is gone: the waits find out by themselves
-                return
+            except Exception:  # the store is gone: dead() says so after three looks
+                pass
             self.beats += 1
+            idle = self.beats - self.stepped_at
+            if self.watching and idle >= WATCHDOG_BEATS and idle % spacing == 0:
+                self._watchdog(idle)
+
+    def _watchdog(self, idle: int) -> None:
+        dead, why = self.dead()
+        if not (dead or why) or not self.watching:
+            return
+        who = f"rank(s) {', '.join(map(str, dead))} stopped beating" if dead else why
+        log.error(
+            "unbroken: rank %d: %s (dead, or its node lost) while this rank has not reached "
+            "run.step() for %d s: nothing it waits for can complete; ending this process "
+            "(exit 1) so that the job can be relaunched, instead of waiting for the "
+            "backend's timeout. UNBROKEN_LIVENESS=0 turns this off (e.g. while a debugger "
+            "holds a rank)",
+            self.me,
+            who,
+            int(idle * BEAT),
+        )
+        for h in logging.getLogger().handlers + log.handlers:
+            with contextlib.suppress(Exception):
+                h.flush()
+        os._exit(1)
 
     def dead(self) -> tuple[list[int], str]:
         """The ranks whose counters stood still over STALE_BEATS of this rank's beats, and
         why no rank can be judged when the store cannot be read."""
-        try:
-            values = [int(v) for v in self._read_store.multi_get(self.keys)]
-        except Exception as e:  # three looks in a row: not a slow answer, the holder is gone
-            self.unread += 1
-            if self.unread < 3:
-                return [], ""
-            return [], f"the job's rendezvous store cannot be read ({type(e).__name__}: {e})"
-        self.unread = 0
-        out = []
-        for r, v in enumerate(values):
-            if r == self.me or v == 0:
-                continue  # never beat: maybe starting slowly, not judged
-            last = self.seen.get(r)
-            if last is None or last[0] != v:
-                self.seen[r] = (v, self.beats)
-            elif self.beats - last[1] >= STALE_BEATS:
-                out.append(r)
-        return out, ""
+        with self._lock:
+            try:
+                values = [int(v) for v in self._read_store.multi_get(self.keys)]
+            except Exception as e:  # three looks in a row: not a slow answer, the holder is gone
+                self.unread += 1
+                if self.unread < 3:
+                    return [], ""
+                return [], f"the job's rendezvous store cannot be read ({type(e).__name__}: {e})"
+            self.unread = 0
+            out = []
+            for r, v in enumerate(values):
+                if r == self.me or v <= 0:
+                    continue  # never beat (maybe starting slowly), or ended: not judged
+                last = self.seen.get(r)
+                if last is None or last[0] != v:
+                    self.seen[r] = (v, self.beats)
+                elif self.beats - last[1] >= STALE_BEATS:
+                    out.append(r)
+            return out, ""
 
     def close(self) -> None:
+        """At exit: stop beating and say so (a rank that ended is not dead). Not in a process
+        forked from this one (a DataLoader worker's exit is not the rank's)."""
+        if os.getpid() != self.pid:
+            return
+        self.watching = False
         self._stop.set()
         self._thread.join(timeout=2 * BEAT)
+        with contextlib.suppress(Exception):
+            self._beat_store.set(self.keys[self.me], "-1")
 
 
 _liveness: _Liveness | None = None
@@ -233,13 +278,15 @@ _liveness_pid = -1
 
 def start_liveness() -> None:
     """Start this rank's beats (idempotent; a forked process starts its own). Without a
-    rendezvous store to reach (an init_method other than env://), the waits go without."""
+    rendezvous store to reach (an init_method other than env://), or with
+    ``UNBROKEN_LIVENESS=0``, the waits go without."""
     global _liveness, _liveness_pid
     if not active() or world_size() < 2 or _liveness_pid == os.getpid():
         return
     _liveness_pid = os.getpid()
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not host or not port:
+    if not host or not port or os.environ.get("UNBROKEN_LIVENESS", "1") == "0":
+        _liveness = None
         return
     launch = "-".join(
         os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
@@ -255,6 +302,19 @@ def start_liveness() -> None:
         log.debug("unbroken: no beats (%s)", e)
         return
     atexit.register(_liveness.close)  # before the interpreter's teardown, the thread joined
+
+
+def watch(on: bool) -> None:
+    """Turn the watchdog on (a Run trains) or off (it closed): :class:`_Liveness`."""
+    if _liveness is not None and _liveness_pid == os.getpid():
+        _liveness.stepped_at = _liveness.beats
+        _liveness.watching = on
+
+
+def stepped() -> None:
+    """The training thread reached ``run.step()`` (the watchdog's progress mark)."""
+    if _liveness is not None:
+        _liveness.stepped_at = _liveness.beats
 
 
 def active() -> bool:

@@ -83,3 +83,26 @@ def test_a_job_stopped_and_continued_is_not_taken_for_dead(tmp_path: Path, secon
     codes, rank0 = _finish(ranks)
     assert codes == [0, 0, 0], rank0
     assert "completed after" in rank0, rank0
+
+
+def test_the_watchdog_ends_a_rank_stuck_in_torchs_own_collective_on_a_dead_peer(
+    tmp_path: Path,
+) -> None:
+    """DDP's all-reduces are torch's: under a Run, a rank that has not reached run.step() for
+    the watchdog's time while a peer is dead ends itself (exit 1), saying which rank; without
+    the watchdog it would wait for gloo's own timeout (40 s here; 30 minutes by default)."""
+    ranks = _start("watchdog", tmp_path)
+    t0 = time.monotonic()
+    code, _, rank0 = ranks[0].wait(timeout=120)
+    took = time.monotonic() - t0
+    codes = [code] + [r.wait(timeout=60)[0] for r in ranks[1:]]
+    # rank 1, watching too and not stepping, ends the same way: every survivor does
+    assert codes == [1, 1, -signal.SIGKILL], rank0
+    assert "rank(s) 2 stopped beating" in rank0 and "ending this process" in rank0, rank0
+    assert took < 30, (took, rank0)
+
+
+def test_a_rank_that_ended_normally_is_not_dead(tmp_path: Path) -> None:
+    codes, rank0 = _finish(_start("ended", tmp_path))
+    assert codes == [0, 0, 0], rank0
+    assert "survived" in rank0 and "stopped beating" not in rank0, rank0

@@ -87,6 +87,7 @@ class Run:
         self.rank, self.world_size = _dist.rank(), _dist.world_size()
         _dist.clean_exit()  # several ranks: exit with our status, never the backend's abort
         _dist.start_liveness()  # a dead peer ends unbroken's waits for it (_dist._Liveness)
+        _dist.watch(True)  # ... and, from here to close(), a wait in anyone's collective
         self.counters = Counters(stage=cfg.stage)
         self.registry = track(kwargs, self.counters, cfg, self.rank, self.world_size)
         self._found_loaders: tuple[int, list[Any]] = (-1, [])
@@ -200,6 +201,7 @@ class Run:
         Returns True when the loop should end (complete, or stopped with ``exit_on_stop=False``).
         """
         c = self.counters
+        _dist.stepped()  # the watchdog's mark: this rank is not stuck
         self._checkpointer.check()  # a background save that failed is raised at the next step
         # The previous step's in-memory snapshot committed before this step is logged: a step
         # the log shows is never more than one step past the newest snapshot.
@@ -504,6 +506,7 @@ class Run:
             self._checkpointer.wait()
             self._checkpointer.close_remote()
         finally:
+            _dist.watch(False)  # what the script does after training is its own
             self._stop.uninstall()
             if self._progress is not None:
                 self._progress.close()
