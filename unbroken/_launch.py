@@ -41,4 +41,5 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
         torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
     _dist.clean_exit()  # a finished rank exits 0 whatever the backend's teardown does
+    _dist.start_liveness()  # a dead peer ends unbroken's waits for it (_dist._Liveness)
     return dist.get_rank(), dist.get_world_size()

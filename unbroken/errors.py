@@ -88,7 +88,8 @@ class DataError(UnbrokenError):
 
 class CollectiveTimeoutError(UnbrokenError):
     """A collective unbroken issued (stop agreement, commit, resume choice) did not complete
-    in time; ``missing`` holds the ranks that did not answer, where known."""
+    in time, or a rank it waited for stopped beating (dead, or its node lost); ``missing``
+    holds the ranks that did not answer, where known."""
 
     def __init__(self, *args: Any, missing: list[int] | None = None, **kw: Any) -> None:
         super().__init__(*args, **kw)

@@ -23,10 +23,12 @@ from . import _job
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-LOCK_WAIT = 30.0
+LOCK_WAIT = 90.0
 """Seconds a persist waits for the run directory's lock held by another process: in a job over
 several nodes the supervisors of the surviving nodes persist their parts of one snapshot at
-once (each persist takes well under a second)."""
+once (each persist takes well under a second), and a surviving trainer that holds the lock
+ends only once it sees the lost rank dead: in 15-45 s when the backend does not tell it
+(unbroken/_dist.py, the beats and the watchdog). A persist given up loses the snapshot."""
 
 
 def _expendable() -> None:

@@ -401,7 +401,9 @@ def _say(msg: str) -> None:
 
 SNAPSHOTS_ON = (
     "in-memory snapshots: on -- the trainer takes one every step when that costs <= 1% of its "
-    "step time, else as often as keeps them there (Run's snapshot_every), and says which; a "
+    "step time, else as often as keeps them there (Run's snapshot_every), and says which; each "
+    "is copied in the step (exact whatever the script writes next; Run's snapshot_copy="
+    "'background' overlaps the copy with the next step and says what it cannot see); a "
     "crash (kill -9, OOM, segfault) redoes at most the steps since the last one"
 )
 SNAPSHOTS_OFF = (

@@ -88,6 +88,8 @@ class Run:
         self.dir = os.path.abspath(os.fspath(run_dir))
         self.rank, self.world_size = _dist.rank(), _dist.world_size()
         _dist.clean_exit()  # several ranks: exit with our status, never the backend's abort
+        _dist.start_liveness()  # a dead peer ends unbroken's waits for it (_dist._Liveness)
+        _dist.watch(True)  # ... and, from here to close(), a wait in anyone's collective
         self.counters = Counters(stage=cfg.stage)
         self.registry = track(kwargs, self.counters, cfg, self.rank, self.world_size)
         self._found_loaders: tuple[int, list[Any]] = (-1, [])
@@ -205,6 +207,7 @@ class Run:
         Returns True when the loop should end (complete, or stopped with ``exit_on_stop=False``).
         """
         c, cfg, ckpt = self.counters, self.config, self._checkpointer
+        _dist.stepped()  # the watchdog's mark: this rank is not stuck
         # Without a background saver or snapshots (fixed at the start) there is nothing to
         # raise or wait for, now or later: the step skips these calls.
         snapshots = False
@@ -537,6 +540,7 @@ class Run:
             self._checkpointer.wait()
             self._checkpointer.close_remote()
         finally:
+            _dist.watch(False)  # what the script does after training is its own
             self._stop.uninstall()
             if self._progress is not None:
                 self._progress.close()

@@ -133,7 +133,7 @@ def exchange(tmp: str, everyone: list[dict[str, Any]], layout: NodeLayout, group
     # names the missing rank.
     end = time.monotonic() + _dist.TIMEOUT
     for work in pending:
-        if not _dist._wait(work, max(end - time.monotonic(), 0.001)):
+        if not _dist._wait(work, max(end - time.monotonic(), 0.001), "buddy copy"):
             raise TimeoutError(
                 f"rank {me}: the copy of the snapshot to or from the buddy node did not "
                 f"complete within {_dist.TIMEOUT:g} s"
