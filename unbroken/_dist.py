@@ -134,9 +134,8 @@ def _look(what: str, look: float) -> float:
         return float("inf")
     if time.monotonic() < look:
         return look
-    dead, why = _liveness.dead()
-    if dead or why:
-        who = f"rank(s) {', '.join(map(str, dead))} stopped beating" if dead else why
+    dead, who = _liveness.verdict()
+    if who:
         raise CollectiveTimeoutError(
             f"rank {rank()}: the {what} cannot complete: {who} (dead, or its node lost). "
             "Relaunch: every rank resumes from the last checkpoint",
@@ -218,10 +217,9 @@ class _Liveness:
                 self._watchdog(idle)
 
     def _watchdog(self, idle: int) -> None:
-        dead, why = self.dead()
-        if not (dead or why) or not self.watching:
+        _, who = self.verdict()
+        if not who or not self.watching:
             return
-        who = f"rank(s) {', '.join(map(str, dead))} stopped beating" if dead else why
         log.error(
             "unbroken: rank %d: %s (dead, or its node lost) while this rank has not reached "
             "run.step() for %d s: nothing it waits for can complete; ending this process "
@@ -236,6 +234,11 @@ class _Liveness:
             with contextlib.suppress(Exception):
                 h.flush()
         os._exit(1)
+
+    def verdict(self) -> tuple[list[int], str]:
+        """The dead ranks and what to say of them ("" while every rank looks alive)."""
+        dead, why = self.dead()
+        return dead, f"rank(s) {', '.join(map(str, dead))} stopped beating" if dead else why
 
     def dead(self) -> tuple[list[int], str]:
         """The ranks whose counters stood still over STALE_BEATS of this rank's beats, and

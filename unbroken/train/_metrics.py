@@ -250,13 +250,13 @@ def lines(records: list[dict[str, Any]]) -> list[str]:
     rest = [i for i, r in enumerate(out) if not isinstance(r, str)]
     if not rest:
         return out
-    mixed = [out[i] for i in rest if not all(type(v) in simple for v in out[i].values())]
+    mixed = {i for i in rest if not all(type(v) in simple for v in out[i].values())}
     if mixed:
-        _read_tensors(mixed)
+        _read_tensors([out[i] for i in sorted(mixed)])
     encode = _encoder()
     for i in rest:
         r = out[i]
-        if not all(type(v) in simple for v in r.values()):
+        if i in mixed:
             r = {k: plain(v) for k, v in r.items()}
         out[i] = ("".join(encode(r, 0)) if encode else json.dumps(r, allow_nan=True)) + "\n"
     return out
